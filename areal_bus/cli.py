@@ -1,0 +1,98 @@
+"""The ``areal-bus`` command.
+
+  areal-bus render TOPOLOGY [-o supervisord.conf]   write the supervisord.conf for a topology
+  areal-bus validate TOPOLOGY                       check a topology, print the resolved config
+  areal-bus node KIND --topology T [--replica N]    run one node (what supervisord runs)
+  areal-bus probe [--topology T] [--json]           attach to a running system, print throughput
+  areal-bus run-end [--program trainer]             supervisord event listener: stop when training ends
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from areal_bus.topology import NODE_KINDS, TopologyError, dump_resolved, load_topology
+
+DEFAULT_TOPOLOGY = "topology/default.yaml"
+
+
+def _load(path: str):
+    try:
+        return load_topology(path)
+    except TopologyError as err:
+        print(f"areal-bus: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_render(args) -> int:
+    from areal_bus.render import write_conf
+
+    topo = _load(args.topology)
+    out = write_conf(topo, args.topology, args.output)
+    print(f"wrote {out} ({', '.join(f'{k}={topo.replicas(k)}' for k in NODE_KINDS if topo.replicas(k))})")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    topo = _load(args.topology)
+    print(json.dumps(dump_resolved(topo), indent=2, sort_keys=True))
+    return 0
+
+
+def cmd_node(args) -> int:
+    topo = _load(args.topology)
+    # Node kinds are found by name: the library does not depend on any node module.
+    module = importlib.import_module(f"nodes.{args.kind}")
+    return module.run(topo, args.replica)
+
+
+def cmd_probe(args) -> int:
+    from nodes.probe import attach
+
+    topo = _load(args.topology)
+    return attach(topo, interval=args.interval, duration=args.duration, as_json=args.json)
+
+
+def cmd_run_end(args) -> int:
+    from areal_bus.runend import listen
+
+    return listen(args.program)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="areal-bus", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("render", help="write a supervisord.conf for a topology")
+    r.add_argument("topology")
+    r.add_argument("-o", "--output", default="supervisord.conf")
+    r.set_defaults(fn=cmd_render)
+    v = sub.add_parser("validate", help="check a topology and print it resolved")
+    v.add_argument("topology")
+    v.set_defaults(fn=cmd_validate)
+    n = sub.add_parser("node", help="run one node process")
+    n.add_argument("kind", choices=NODE_KINDS)
+    n.add_argument("--topology", default=DEFAULT_TOPOLOGY)
+    n.add_argument("--replica", type=int, default=0)
+    n.set_defaults(fn=cmd_node)
+    pr = sub.add_parser("probe", help="attach to a running system and report throughput per node")
+    pr.add_argument("--topology", default=DEFAULT_TOPOLOGY)
+    pr.add_argument("--interval", type=float, default=2.0, help="seconds between reports")
+    pr.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    pr.add_argument("--json", action="store_true", help="one JSON object per node per report")
+    pr.set_defaults(fn=cmd_probe)
+    e = sub.add_parser("run-end", help="supervisord event listener that ends the run with the trainer")
+    e.add_argument("--program", default="trainer")
+    e.set_defaults(fn=cmd_run_end)
+    args = p.parse_args(argv)
+    if not Path(getattr(args, "topology", ".") or ".").exists() and args.cmd not in ("run-end",):
+        print(f"areal-bus: topology file {args.topology} not found", file=sys.stderr)
+        return 2
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

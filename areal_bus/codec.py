@@ -1,0 +1,196 @@
+"""Wire codec: messages to ZeroMQ frames and back. msgpack only; nothing here can unpickle.
+
+Frames of one message: ``[header, buf_0, buf_1, ...]`` where header is a msgpack array
+
+    [wire_version, tag, producer, seq, msg_id, policy_versions, body, arrays]
+
+``body`` maps scalar field names to values; ``arrays`` lists ``[name, dtype, shape]`` for each raw
+buffer frame that follows, in order. Arrays are sent without copying (pyzmq copies small frames
+anyway, below its copy threshold) and decoded with ``np.frombuffer`` on the received frame: no copy
+on either side. Every check a hostile or garbled frame could fail raises ``DecodeError``, which
+channels count, log and drop.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+import typing
+from dataclasses import MISSING, dataclass, fields
+
+import ml_dtypes
+import msgpack
+import numpy as np
+
+from areal_bus.constants import MAX_FRAMES, MAX_HEADER_BYTES, WIRE_VERSION
+from areal_bus.messages import REGISTRY
+
+# The only dtypes that may cross the wire. bfloat16 comes from ml_dtypes (numpy has none).
+DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name)
+    for name in ("bool", "int8", "uint8", "int16", "uint16", "int32", "int64", "float16", "float32", "float64")
+}
+DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
+_DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
+
+
+class DecodeError(ValueError):
+    """A frame set that is not a valid message of this wire version. Always caught by the receiver,
+    counted under ``reason`` and dropped."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass(slots=True, frozen=True)
+class Envelope:
+    wire_version: int
+    tag: str
+    producer: str
+    seq: int
+    msg_id: bytes
+    versions: tuple[int, ...]
+
+
+class _Spec:
+    """Per-message-type field layout, worked out once from the dataclass."""
+
+    def __init__(self, cls):
+        hints = typing.get_type_hints(cls)
+        self.cls = cls
+        self.arrays = tuple(cls.ARRAYS) if hasattr(cls, "ARRAYS") else ()
+        self.scalars = []  # (name, allowed types, required)
+        for f in fields(cls):
+            if f.name in self.arrays:
+                continue
+            required = f.default is MISSING and f.default_factory is MISSING
+            self.scalars.append((f.name, _allowed(hints[f.name]), required))
+        self.scalar_names = frozenset(n for n, _, _ in self.scalars)
+
+
+def _allowed(hint) -> tuple[type, ...]:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        out: tuple[type, ...] = ()
+        for h in typing.get_args(hint):
+            out += _allowed(h)
+        return out
+    if hint is type(None):
+        return (type(None),)
+    if hint is float:
+        return (float, int)
+    origin = typing.get_origin(hint)
+    return (origin or hint,)
+
+
+_SPECS = {tag: _Spec(cls) for tag, cls in REGISTRY.items()}
+
+
+def _check_scalar(name: str, value, allowed: tuple[type, ...]):
+    # bool is an int subclass: an int field must not silently accept True.
+    if isinstance(value, bool) and bool not in allowed:
+        raise DecodeError("bad_field", f"{name} is a bool")
+    if not isinstance(value, allowed):
+        raise DecodeError("bad_field", f"{name} has type {type(value).__name__}")
+
+
+class Encoder:
+    """Turns messages into frames for one producer, numbering them."""
+
+    def __init__(self, producer: str):
+        self.producer = producer
+        self.seq = 0
+        self._packer = msgpack.Packer(use_bin_type=True)
+
+    def encode(self, msg, versions: typing.Sequence[int] = ()) -> list:
+        spec = _SPECS[msg.TAG]
+        body = {name: getattr(msg, name) for name, _, _ in spec.scalars}
+        metas, bufs = [], []
+        for name in spec.arrays:
+            arr = np.ascontiguousarray(getattr(msg, name))
+            dname = _DTYPE_NAMES.get(arr.dtype)
+            if dname is None:
+                raise TypeError(f"{msg.TAG}.{name}: dtype {arr.dtype} cannot cross the wire")
+            metas.append([name, dname, list(arr.shape)])
+            bufs.append(memoryview(arr).cast("B") if arr.size else b"")
+        self.seq += 1
+        header = self._packer.pack(
+            [WIRE_VERSION, msg.TAG, self.producer, self.seq, os.urandom(16), [int(v) for v in versions], body, metas]
+        )
+        return [header, *bufs]
+
+
+def decode(frames: typing.Sequence) -> tuple[Envelope, object]:
+    """Frames (bytes, memoryview or zmq.Frame) to ``(Envelope, message)``. Raises DecodeError."""
+    if not frames:
+        raise DecodeError("empty")
+    if len(frames) > MAX_FRAMES:
+        raise DecodeError("too_many_frames", str(len(frames)))
+    head = _bytes_of(frames[0])
+    if len(head) > MAX_HEADER_BYTES:
+        raise DecodeError("header_too_large", str(len(head)))
+    try:
+        header = msgpack.unpackb(head, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage; all mean the same
+        raise DecodeError("bad_msgpack", type(exc).__name__) from None
+    if not isinstance(header, list) or len(header) != 8:
+        raise DecodeError("bad_envelope")
+    wire_version, tag, producer, seq, msg_id, versions, body, metas = header
+    if wire_version != WIRE_VERSION:
+        raise DecodeError("wire_version", repr(wire_version)[:32])
+    spec = _SPECS.get(tag) if isinstance(tag, str) else None
+    if spec is None:
+        raise DecodeError("unknown_type", repr(tag)[:32])
+    if not (isinstance(producer, str) and isinstance(seq, int) and isinstance(msg_id, bytes)):
+        raise DecodeError("bad_envelope", "producer/seq/msg_id")
+    if not (isinstance(versions, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in versions)):
+        raise DecodeError("bad_envelope", "versions")
+    if not isinstance(body, dict) or not isinstance(metas, list):
+        raise DecodeError("bad_envelope", "body/arrays")
+    kwargs = {}
+    for name, allowed, required in spec.scalars:
+        if name in body:
+            value = body[name]
+            _check_scalar(name, value, allowed)
+            kwargs[name] = value
+        elif required:
+            raise DecodeError("missing_field", name)
+    if len(body) != len(kwargs):
+        raise DecodeError("unknown_field", ",".join(sorted(set(body) - spec.scalar_names))[:64])
+    if len(metas) != len(spec.arrays) or len(frames) != 1 + len(metas):
+        raise DecodeError("array_count", f"{len(metas)} metas, {len(frames) - 1} frames")
+    for expected, meta, frame in zip(spec.arrays, metas, frames[1:]):
+        kwargs[expected] = _array(expected, meta, frame)
+    env = Envelope(wire_version, tag, producer, seq, msg_id, tuple(versions))
+    return env, spec.cls(**kwargs)
+
+
+def _array(expected: str, meta, frame) -> np.ndarray:
+    if not (isinstance(meta, list) and len(meta) == 3 and meta[0] == expected):
+        raise DecodeError("bad_array_meta", expected)
+    _, dname, shape = meta
+    dtype = DTYPES.get(dname) if isinstance(dname, str) else None
+    if dtype is None:
+        raise DecodeError("bad_dtype", repr(dname)[:32])
+    if not (isinstance(shape, list) and len(shape) <= 8 and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise DecodeError("bad_shape", expected)
+    buf = _buffer_of(frame)
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if buf.nbytes != count * dtype.itemsize:
+        raise DecodeError("array_size", f"{expected}: {buf.nbytes} bytes for {shape} {dname}")
+    return np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
+
+
+def _buffer_of(frame) -> memoryview:
+    buf = getattr(frame, "buffer", None)  # zmq.Frame received with copy=False
+    return buf if buf is not None else memoryview(frame)
+
+
+def _bytes_of(frame) -> bytes | memoryview:
+    buf = getattr(frame, "buffer", None)
+    return buf if buf is not None else frame
+
+
+def pack_topic(topic: bytes, frames: list) -> list:
+    """Frames for a PUB socket: the topic first, so SUB prefix filtering works on it alone."""
+    return [topic, *frames]

@@ -1,0 +1,55 @@
+"""Constants that govern liveness and flow, in one place, each with why it has that value.
+
+Nodes import these names; nothing else in the code base hard-codes a heartbeat, a timeout or a
+high-water mark.
+"""
+
+# Wire -----------------------------------------------------------------------------------------
+WIRE_VERSION = 1
+"""Bumped on any incompatible change to the envelope or a message's fields. A frame carrying another
+version is dropped and counted (never guessed at), so mixed deployments fail loudly in metrics."""
+
+MAX_FRAMES = 32
+"""More frames than any message type defines means a garbled or hostile sender; drop before decoding."""
+
+MAX_HEADER_BYTES = 1 << 20
+"""A msgpack header over 1 MiB is not one of ours (headers are small; bulk data rides in extra frames)."""
+
+# Liveness -------------------------------------------------------------------------------------
+HEARTBEAT_INTERVAL_S = 0.5
+"""Every node publishes a heartbeat (with its metrics) this often. Half a second keeps the probe's
+rates smooth and lets a dead peer be noticed within ~2 s, at a cost of a few hundred bytes per node."""
+
+HEARTBEAT_LIVENESS = 4
+"""A peer is declared dead after this many missed heartbeats (2 s at 0.5 s). Three is the ZeroMQ
+guide's Paranoid Pirate default; one more absorbs a GC pause or a busy 2-core CI box."""
+
+# Flow -----------------------------------------------------------------------------------------
+WORK_HWM = 1
+"""High-water mark on the generation-work PUSH/PULL pipes. One message per pipe means the PUSH side's
+round robin skips busy workers (their pipe is full) so work goes to whoever has a free slot, and a
+request is never stranded deep in a dead worker's pipe."""
+
+PUB_HWM = 10_000
+"""PUB/SUB high-water mark. Events and metrics are small; 10k absorbs a subscriber's hiccup without
+letting a stuck subscriber grow the publisher's memory without bound."""
+
+RESEND_AFTER_S = 30.0
+"""An unacknowledged trajectory is sent again after this long even if no consumer restart was seen.
+Long enough that a trajectory waiting in a full (but healthy) trainer queue is not duplicated in the
+normal case; duplicates are harmless anyway (the trainer drops them by id)."""
+
+REISSUE_UNCLAIMED_S = 20.0
+"""A generation request that no live rollout worker has claimed for this long is issued again."""
+
+LINGER_MS = 500
+"""How long close() may wait to flush queued messages. Nodes shut down on SIGTERM; half a second is
+enough to hand over acks and final metrics without holding up supervisord's stop."""
+
+SEEN_IDS_MAX = 1_000_000
+"""The trainer remembers this many consumed trajectory ids for duplicate suppression (~100 MB at most);
+older ids fall out first, by which time their producers have long received the ack."""
+
+POLL_MS = 50
+"""Main-loop poll timeout. Short enough that SIGTERM and version announcements are handled promptly,
+long enough that idle nodes cost nothing measurable."""

@@ -1,0 +1,139 @@
+"""Simulated engines: real scheduling, real messages, modelled compute.
+
+``SimRolloutEngine`` models memory-bound GPU decoding: a decode step costs ``decode_step_s`` plus a
+small ``decode_step_per_seq_s`` per sequence in the batch (nearly flat in batch size), and each request
+draws its output length from the configured long-tailed distribution (seeded by the request id, so a
+reissued request generates the same length). ``SimTrainEngine`` models an update as time per token
+divided over the data-parallel train workers, plus a fixed overhead. Both keep time with deadlines
+rather than bare sleeps, so Python overhead is absorbed into the modelled step instead of added to it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from areal_bus.messages import GenerateRequest, Trajectory
+from areal_bus.topology import LengthDistribution, RolloutEngineConfig, TrainerEngineConfig
+
+
+def draw_length(dist: LengthDistribution, rng: np.random.Generator) -> int:
+    if dist.dist == "fixed":
+        n = dist.max
+    elif dist.dist == "uniform":
+        n = int(rng.integers(dist.min, dist.max + 1))
+    else:
+        n = int(round(dist.median * float(np.exp(dist.sigma * rng.standard_normal()))))
+    return int(min(max(n, dist.min), dist.max))
+
+
+def _seed(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+@dataclass(slots=True)
+class _Seq:
+    req: GenerateRequest
+    length: int
+    start_step: int
+    started_at: float
+
+
+class SimRolloutEngine:
+    def __init__(self, cfg: RolloutEngineConfig, worker: str, vocab_size: int = 32000):
+        self.cfg = cfg
+        self.worker = worker
+        self.vocab_size = vocab_size
+        self.version = 0
+        self.steps = 0
+        self._running: dict[str, _Seq] = {}
+        self._finish_at: dict[int, list[str]] = {}  # step number -> request ids finishing there
+        self._version_changes: list[tuple[int, int]] = [(0, 0)]  # (first step, version)
+        self._deadline = time.perf_counter()
+
+    @property
+    def free_slots(self) -> int:
+        return self.cfg.max_batch - len(self._running)
+
+    @property
+    def running_ids(self) -> list[str]:
+        return list(self._running)
+
+    def add_request(self, req: GenerateRequest) -> None:
+        rng = np.random.default_rng(_seed(req.request_id))
+        length = min(draw_length(self.cfg.output_len, rng), req.max_tokens)
+        self._running[req.request_id] = _Seq(req, length, self.steps, time.time())
+        self._finish_at.setdefault(self.steps + length, []).append(req.request_id)
+
+    def step(self) -> list[Trajectory]:
+        if not self._running:
+            return []
+        cost = self.cfg.decode_step_s + self.cfg.decode_step_per_seq_s * len(self._running)
+        now = time.perf_counter()
+        # A step cannot start before the previous one ended; if we fell behind (idle, or overhead),
+        # restart the clock from now rather than bursting to catch up.
+        self._deadline = max(self._deadline, now) + cost
+        delay = self._deadline - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        self.steps += 1
+        return [self._finish(rid) for rid in self._finish_at.pop(self.steps, ())]
+
+    def swap_weights(self, version: int, location: str) -> float:
+        t0 = time.perf_counter()
+        if self.cfg.swap_s:
+            time.sleep(self.cfg.swap_s)
+        self.version = version
+        self._version_changes.append((self.steps, version))
+        return time.perf_counter() - t0
+
+    def _token_versions(self, start: int, length: int) -> np.ndarray:
+        out = np.empty(length, dtype=np.int32)
+        # Step s produced token s - start; the version in force at step s is the last change <= s-1.
+        bounds = self._version_changes
+        for i, (first, version) in enumerate(bounds):
+            end = bounds[i + 1][0] if i + 1 < len(bounds) else start + length
+            lo, hi = max(first, start), min(end, start + length)
+            if lo < hi:
+                out[lo - start:hi - start] = version
+        return out
+
+    def _finish(self, rid: str) -> Trajectory:
+        seq = self._running.pop(rid)
+        rng = np.random.default_rng(_seed(rid) ^ 0x5EED)
+        n = seq.length
+        return Trajectory(
+            traj_id=rid, episode_id=seq.req.episode_id, ticket=seq.req.ticket, worker=self.worker,
+            prompt_ids=seq.req.prompt_ids,
+            output_ids=rng.integers(0, self.vocab_size, n, dtype=np.int32),
+            logprobs=(-rng.exponential(1.0, n)).astype(np.float32),
+            versions=self._token_versions(seq.start_step, n),
+            loss_mask=np.ones(n, dtype=np.uint8),
+            group_id=seq.req.group_id, finish_reason="length" if n >= seq.req.max_tokens else "stop",
+            gen_seconds=time.time() - seq.started_at,
+        )
+
+
+class SimTrainEngine:
+    def __init__(self, cfg: TrainerEngineConfig, train_workers: int):
+        self.cfg = cfg
+        self.train_workers = train_workers
+
+    def modelled_seconds(self, tokens: int) -> float:
+        return self.cfg.update_overhead_s + tokens * self.cfg.time_per_token_s / self.train_workers
+
+    def train(self, batch: list[Trajectory], version: int) -> dict:
+        tokens = sum(t.num_tokens for t in batch)
+        time.sleep(self.modelled_seconds(tokens))
+        rewards = [t.reward for t in batch if t.reward is not None]
+        mean_reward = float(np.mean(rewards)) if rewards else 0.0
+        # A stand-in loss that moves like a real one would (down with steps), so curves and logs have
+        # a realistic shape; the real objective is areal_bus.loss.decoupled_ppo_loss.
+        loss = float(1.0 / (1.0 + 0.05 * version) - 0.1 * mean_reward)
+        return {"loss": loss, "tokens": tokens, "reward": mean_reward}
+
+    def export_weights(self, version: int) -> tuple[str, int]:
+        return "", 0

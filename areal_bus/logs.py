@@ -1,0 +1,92 @@
+"""Structured logs in the shape users recognise, one file per node kind under log_dir.
+
+    [rollout] step=120 generated=32 tokens=18420 ts=14:23:01.221
+    [train] step=118 updated=32 loss=0.421 ts=14:23:01.335
+    [train] throughput samples_per_second=41.2 tokens_per_second=30118 ts=14:23:05.002
+
+structlog does the structuring; the renderer below only decides the line's shape. Each line goes to
+``<log_dir>/<file>.log`` (appended; every replica of a kind shares the file, and O_APPEND keeps whole
+lines whole) and to stdout, which supervisord keeps per process for tracebacks.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import structlog
+
+# Node kind -> (tag in brackets, file name). The trainer's lines say [train] as AReaL's do.
+LOG_NAMES = {
+    "trainer": ("train", "train"),
+    "rollout": ("rollout", "rollout"),
+    "agent": ("agent", "agent"),
+    "reward": ("reward", "reward"),
+    "weights": ("weights", "weights"),
+    "bus": ("bus", "bus"),
+    "probe": ("probe", "probe"),
+}
+
+# Events whose name is implied by their fields: the line starts with the fields (step=...).
+_SILENT_EVENTS = {"step"}
+# Bound context that goes last, so each line still starts with what happened.
+_TRAILING = ("node",)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}" if abs(value) < 1e6 else f"{value:.0f}"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_fmt(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    return f'"{text}"' if (" " in text or not text) else text
+
+
+def render_line(_, __, event_dict) -> str:
+    tag = event_dict.pop("_tag", "node")
+    event = event_dict.pop("event", "")
+    event_dict.pop("level", None)
+    ts = event_dict.pop("ts", None) or time.time()
+    parts = [f"[{tag}]"]
+    if event and event not in _SILENT_EVENTS:
+        parts.append(event)
+    trailing = [(k, event_dict.pop(k)) for k in _TRAILING if k in event_dict]
+    parts.extend(f"{k}={_fmt(v)}" for k, v in [*event_dict.items(), *trailing])
+    t = time.localtime(ts)
+    parts.append(f"ts={time.strftime('%H:%M:%S', t)}.{int((ts % 1) * 1000):03d}")
+    return " ".join(parts)
+
+
+class _Tee:
+    """A file-like that writes each line to the node-kind log file and to stdout."""
+
+    def __init__(self, path: Path | None, echo: bool = True):
+        self.echo = echo
+        self._file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", buffering=1)
+
+    def write(self, text: str):
+        if self._file is not None:
+            self._file.write(text)
+        if self.echo:
+            sys.stdout.write(text)
+
+    def flush(self):
+        if self._file is not None:
+            self._file.flush()
+        sys.stdout.flush()
+
+
+def setup_logging(kind: str, log_dir: Path | None, echo: bool = True, **bound):
+    """Configure structlog for this process and return a logger bound to the node's tag."""
+    tag, fname = LOG_NAMES.get(kind, (kind, kind))
+    sink = _Tee(log_dir / f"{fname}.log" if log_dir is not None else None, echo)
+    structlog.configure(
+        processors=[structlog.processors.add_log_level, render_line],
+        logger_factory=structlog.WriteLoggerFactory(file=sink),
+        cache_logger_on_first_use=True,
+    )
+    return structlog.get_logger().bind(_tag=tag, **bound)

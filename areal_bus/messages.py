@@ -1,0 +1,234 @@
+"""Every message that crosses the bus, in one place, each with its direction and channel.
+
+A message is a plain dataclass. Scalar fields travel in a msgpack header; fields named in ``ARRAYS``
+are numpy arrays that travel as raw buffers in extra zero-copy frames (see ``codec``). The envelope
+around every message carries the wire version, the type tag, the producer id, a per-producer sequence
+number, a unique message id and the policy version(s) the payload was made under.
+
+Channels (names as in the topology's ``endpoints``):
+  work     PUSH/PULL  agent -> rollout           generation requests
+  samples  PUSH/PULL  rollout -> reward          finished trajectories, reward not yet set
+  train    PUSH/PULL  reward -> trainer          rewarded trajectories
+  weights  PUSH/PULL  trainer -> weights         a new policy version is ready
+  hub      PUB -> bus -> SUB (topic in frame 0)  heartbeats, versions, acks, events
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+# Hub topics. Short byte strings: SUB filters by prefix, and these never prefix one another.
+TOPIC_HEARTBEAT = b"hb"
+TOPIC_VERSION = b"ver"
+TOPIC_VERSION_ACK = b"vack"
+TOPIC_TRAJ_ACK = b"ack"
+TOPIC_GEN_DONE = b"done"
+TOPIC_EVENT = b"evt"
+TOPIC_RUN = b"run"
+
+# Topics whose last message the bus node replays to every new subscriber (late-joiner snapshot).
+SNAPSHOT_TOPICS = (TOPIC_VERSION, TOPIC_RUN)
+
+REGISTRY: dict[str, type] = {}
+
+
+def message(tag: str):
+    """Register a dataclass as a wire message under a short type tag."""
+
+    def wrap(cls):
+        if tag in REGISTRY:
+            raise ValueError(f"duplicate message tag {tag!r}")
+        cls.TAG = tag
+        REGISTRY[tag] = cls
+        return cls
+
+    return wrap
+
+
+# ---------------------------------------------------------------------------------------------
+# Data path (PUSH/PULL)
+# ---------------------------------------------------------------------------------------------
+
+
+@message("gen")
+@dataclass(slots=True)
+class GenerateRequest:
+    """agent -> rollout (channel ``work``). One episode's generation call.
+
+    ``ticket`` is the sample's slot in consumption order (slots of samples dropped as stale are given
+    back and reused): ticket // batch is the train step this sample is meant for, which is what rollout
+    logs call their step. ``min_version``: the worker must serve
+    at least this policy version before it starts (synchronous mode uses it to wait for new weights).
+    """
+
+    TAG: ClassVar[str]
+    ARRAYS: ClassVar[tuple[str, ...]] = ("prompt_ids",)
+    request_id: str
+    episode_id: str
+    ticket: int
+    min_version: int
+    max_tokens: int
+    temperature: float
+    prompt_ids: np.ndarray
+    group_id: str = ""
+    top_p: float = 1.0
+    stop: list = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+
+@message("traj")
+@dataclass(slots=True)
+class Trajectory:
+    """rollout -> reward (``samples``) and reward -> trainer (``train``). One finished episode.
+
+    ``traj_id`` is unique per episode (the request id): the trainer consumes each id once. Token
+    arrays are aligned: ``output_ids[i]`` was sampled with log-probability ``logprobs[i]`` by policy
+    version ``versions[i]``; ``loss_mask[i]`` is 1 for tokens the policy generated, 0 for tool or
+    environment tokens. ``reward`` is None until the reward node (or the agent) sets it.
+    """
+
+    TAG: ClassVar[str]
+    ARRAYS: ClassVar[tuple[str, ...]] = ("prompt_ids", "output_ids", "logprobs", "versions", "loss_mask")
+    traj_id: str
+    episode_id: str
+    ticket: int
+    worker: str
+    prompt_ids: np.ndarray
+    output_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    loss_mask: np.ndarray
+    reward: float | None = None
+    group_id: str = ""
+    finish_reason: str = "length"
+    gen_seconds: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def start_version(self) -> int:
+        """The oldest policy version that produced any token: staleness is measured from here."""
+        return int(self.versions.min()) if self.versions.size else 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.prompt_ids.size + self.output_ids.size)
+
+
+@message("wready")
+@dataclass(slots=True)
+class WeightsReady:
+    """trainer -> weights (channel ``weights``). The trainer finished update ``version``; its weights
+    are at ``location`` (a shared-memory name, a path, or "" for simulated engines)."""
+
+    TAG: ClassVar[str]
+    version: int
+    location: str
+    nbytes: int
+    step_seconds: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Hub (PUB -> bus -> SUB)
+# ---------------------------------------------------------------------------------------------
+
+
+@message("hb")
+@dataclass(slots=True)
+class Heartbeat:
+    """every node -> all (topic ``hb``), every HEARTBEAT_INTERVAL_S, from a thread of its own so that
+    a long compute step never silences it. Carries the node's metrics for the probe.
+
+    ``incarnation`` changes every time the process starts: peers use it to notice a restart (and
+    producers then resend what that consumer never acknowledged). ``inflight``: request ids a rollout
+    worker is generating, so the agent can reissue them if the worker dies.
+    """
+
+    TAG: ClassVar[str]
+    node_id: str
+    kind: str
+    incarnation: str
+    pid: int
+    t: float
+    version: int
+    counters: dict
+    gauges: dict
+    hists: dict
+    inflight: list = field(default_factory=list)
+
+
+@message("ver")
+@dataclass(slots=True)
+class VersionAnnounce:
+    """weights -> all (topic ``ver``, snapshot-cached by the bus). Policy ``version`` is available at
+    ``location``; rollout workers switch at their next safe point and answer with VersionAck."""
+
+    TAG: ClassVar[str]
+    version: int
+    location: str
+    nbytes: int
+    published_at: float
+
+
+@message("vack")
+@dataclass(slots=True)
+class VersionAck:
+    """rollout -> weights (topic ``vack``). ``node_id`` now serves ``version`` and has left every
+    older buffer, which the broadcaster may then reuse."""
+
+    TAG: ClassVar[str]
+    node_id: str
+    version: int
+    switch_seconds: float = 0.0
+
+
+@message("ack")
+@dataclass(slots=True)
+class TrajAck:
+    """trainer -> producers and agents (topic ``ack``). Ids the trainer has taken for good: trained
+    on (``consumed``), dropped as over-stale (``stale``), or already seen (``duplicate``). Producers
+    forget these; the agent returns the admission slots of stale ones."""
+
+    TAG: ClassVar[str]
+    trainer_version: int
+    consumed: list
+    stale: list
+    duplicate: list
+
+
+@message("done")
+@dataclass(slots=True)
+class GenDone:
+    """rollout -> agent (topic ``done``). Generation finished for these request ids; the trajectories
+    are now the data path's to deliver, so the agent stops tracking them for reissue."""
+
+    TAG: ClassVar[str]
+    worker: str
+    request_ids: list
+    tokens: int
+
+
+@message("evt")
+@dataclass(slots=True)
+class Event:
+    """any node -> all (topic ``evt``). Something a person should see: a dead or restarted peer,
+    sustained backpressure, the run finishing. ``fields`` is free-form and logged as is."""
+
+    TAG: ClassVar[str]
+    name: str
+    node_id: str
+    fields: dict = field(default_factory=dict)
+
+
+@message("run")
+@dataclass(slots=True)
+class RunState:
+    """trainer -> all (topic ``run``, snapshot-cached by the bus). Where training stands."""
+
+    TAG: ClassVar[str]
+    version: int
+    max_steps: int
+    finished: bool
+    consumed: int

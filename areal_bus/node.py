@@ -1,0 +1,180 @@
+"""The node shell: what every node process has, whatever its kind.
+
+A shell owns the ZeroMQ context, the node's hub sockets (a PUB into the bus node, a SUB out of it),
+its logger and metrics, a heartbeat thread, the table of live peers and the node's view of the
+current policy version. Node kinds (``nodes/``) keep their logic in a core class that owns no
+sockets and use a shell to reach the bus.
+
+The heartbeat thread has a PUB socket of its own (ZeroMQ sockets are not thread-safe), so a node in
+a long compute step (a trainer update) keeps heartbeating and is not taken for dead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from areal_bus import messages as m
+from areal_bus.channels import Receiver, open_socket
+from areal_bus.codec import Encoder, pack_topic
+from areal_bus.constants import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS, LINGER_MS, PUB_HWM
+from areal_bus.logs import setup_logging
+from areal_bus.metrics import Metrics
+from areal_bus.topology import Topology, dump_resolved
+
+
+@dataclass
+class Peer:
+    node_id: str
+    kind: str
+    incarnation: str
+    last_seen: float
+    version: int
+    inflight: list
+    alive: bool = True
+
+
+class PeerTable:
+    """Who is alive, from heartbeats. Pure: time is passed in, so tests drive it directly."""
+
+    def __init__(self, timeout: float = HEARTBEAT_INTERVAL_S * HEARTBEAT_LIVENESS):
+        self.timeout = timeout
+        self.peers: dict[str, Peer] = {}
+
+    def update(self, hb: m.Heartbeat, now: float) -> str | None:
+        """Record a heartbeat. Returns 'joined', 'restarted' or 'revived' when that happened."""
+        peer = self.peers.get(hb.node_id)
+        change = None
+        if peer is None:
+            change = "joined"
+        elif peer.incarnation != hb.incarnation:
+            change = "restarted"
+        elif not peer.alive:
+            change = "revived"
+        self.peers[hb.node_id] = Peer(hb.node_id, hb.kind, hb.incarnation, now, hb.version, list(hb.inflight))
+        return change
+
+    def expire(self, now: float) -> list[Peer]:
+        """Peers silent for longer than the timeout, each reported once until it comes back."""
+        dead = []
+        for peer in self.peers.values():
+            if peer.alive and now - peer.last_seen > self.timeout:
+                peer.alive = False
+                dead.append(peer)
+        return dead
+
+    def alive(self, kind: str | None = None) -> list[Peer]:
+        return [p for p in self.peers.values() if p.alive and (kind is None or p.kind == kind)]
+
+
+class NodeShell:
+    def __init__(self, topo: Topology, kind: str, replica: int = 0, *, topics: tuple[bytes, ...] = (),
+                 watch: tuple[str, ...] = (), base: Path | None = None, echo: bool = True):
+        self.topo = topo
+        self.kind = kind
+        self.replica = replica
+        self.node_id = f"{kind}-{replica}"
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.base = base or Path.cwd()
+        self.log_dir = topo.log_dir(self.base)
+        self.log = setup_logging(kind, self.log_dir, echo=echo, node=self.node_id)
+        self.metrics = Metrics()
+        self.ctx = zmq.Context()
+        self.encoder = Encoder(self.node_id)
+        self.version = 0
+        self.peers = PeerTable()
+        self.watch = set(watch)
+        self.inflight: list = []  # read by the heartbeat thread; nodes replace it, never mutate it
+        self.stopping = threading.Event()
+        self.pub = open_socket(self.ctx, zmq.PUB, self.endpoint("hub_in"), bind=False, hwm=PUB_HWM)
+        self.sub = open_socket(self.ctx, zmq.SUB, self.endpoint("hub_out"), bind=False, hwm=PUB_HWM,
+                               subscribe=(m.TOPIC_HEARTBEAT, *topics))
+        self.hub = Receiver(self.sub, self.metrics, self.log, topic=True)
+        self._hb_thread: threading.Thread | None = None
+        self._started = time.time()
+
+    # -- setup ----------------------------------------------------------------------------------
+    def endpoint(self, channel: str, replica: int = 0) -> str:
+        return self.topo.endpoint(channel, replica, self.base)
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT ask the main loop to finish; supervisord stops nodes this way."""
+        def stop(signum, _frame):
+            self.stopping.set()
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+
+    def announce_start(self, **extra) -> None:
+        self.log.info("node_start", pid=os.getpid(), incarnation=self.incarnation, **extra)
+        cfg_path = self.log_dir / "resolved" / f"{self.node_id}.json"
+        cfg_path.parent.mkdir(parents=True, exist_ok=True)
+        cfg_path.write_text(json.dumps(dump_resolved(self.topo), indent=2, sort_keys=True))
+
+    def start_heartbeat(self) -> None:
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        self._hb_thread.start()
+
+    def _heartbeat_loop(self) -> None:
+        sock = open_socket(self.ctx, zmq.PUB, self.endpoint("hub_in"), bind=False, hwm=PUB_HWM)
+        enc = Encoder(self.node_id + "/hb")
+        try:
+            while not self.stopping.wait(HEARTBEAT_INTERVAL_S):
+                sock.send_multipart(pack_topic(m.TOPIC_HEARTBEAT, enc.encode(self.heartbeat())), copy=False)
+        finally:
+            sock.close()
+
+    def heartbeat(self) -> m.Heartbeat:
+        counters, gauges, hists = self.metrics.snapshot()
+        gauges["uptime_s"] = time.time() - self._started
+        return m.Heartbeat(node_id=self.node_id, kind=self.kind, incarnation=self.incarnation, pid=os.getpid(),
+                           t=time.time(), version=self.version, counters=counters, gauges=gauges, hists=hists,
+                           inflight=list(self.inflight))
+
+    # -- hub ------------------------------------------------------------------------------------
+    def publish(self, topic: bytes, msg, versions=()) -> None:
+        self.pub.send_multipart(pack_topic(topic, self.encoder.encode(msg, versions)), copy=False)
+
+    def event(self, name: str, **fields) -> None:
+        """Log something a person should see and put it on the bus for the probe."""
+        self.log.warning(name, **fields)
+        self.publish(m.TOPIC_EVENT, m.Event(name=name, node_id=self.node_id, fields=fields))
+
+    def drain_hub(self) -> list:
+        """Hub messages waiting now. Heartbeats update the peer table (and are returned too)."""
+        out = []
+        now = time.monotonic()
+        for env, msg in self.hub.drain():
+            if isinstance(msg, m.Heartbeat):
+                if msg.node_id == self.node_id:
+                    continue
+                change = self.peers.update(msg, now)
+                if change and msg.kind in self.watch:
+                    if change == "joined":
+                        self.log.info("peer_joined", peer=msg.node_id)
+                    else:
+                        self.event(f"peer_{change}", peer=msg.node_id)
+                    out.append((env, m.Event(name=f"peer_{change}", node_id=msg.node_id, fields={"kind": msg.kind})))
+            elif isinstance(msg, m.VersionAnnounce):
+                self.version = max(self.version, msg.version)
+            out.append((env, msg))
+        for peer in self.peers.expire(now):
+            if peer.kind in self.watch:
+                self.event("peer_dead", peer=peer.node_id, silent_s=round(now - peer.last_seen, 1))
+                out.append((None, m.Event(name="peer_dead", node_id=peer.node_id, fields={"kind": peer.kind})))
+        return out
+
+    # -- teardown -------------------------------------------------------------------------------
+    def close(self) -> None:
+        self.stopping.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=2)
+        # destroy() closes every socket made from this context, the node's own data sockets included.
+        self.ctx.destroy(linger=LINGER_MS)

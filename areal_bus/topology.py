@@ -1,0 +1,280 @@
+"""The topology schema: one pydantic model holds every knob a run has, validated with errors that
+name the file, the field path and what is allowed.
+
+A topology YAML says which nodes run (kind, replicas, host, per-node config), where they meet
+(``endpoints``) and the training knobs users know from AReaL (async.enabled, staleness_threshold,
+trigger_batch_size, ...). ``${NAME}`` and ``${NAME:-default}`` in any string are expanded from the
+environment. Load with ``load_topology(path)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+NODE_KINDS = ("bus", "agent", "rollout", "reward", "trainer", "weights", "probe")
+
+
+class TopologyError(ValueError):
+    """An invalid topology file; the message names the file, the field and what is allowed."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class AsyncConfig(_Strict):
+    enabled: bool = Field(True, description="Asynchronous mode. false = the synchronous baseline on the same code: "
+                          "one batch generated, trained, weights published, then the next.")
+
+
+class Parallelism(_Strict):
+    dp: int = Field(1, ge=1, le=1024, description="Data-parallel degree of the trainer.")
+    tp: int = Field(1, ge=1, le=64, description="Tensor-parallel degree of the trainer.")
+    pp: int = Field(1, ge=1, le=64, description="Pipeline-parallel degree of the trainer.")
+    cp: int = Field(1, ge=1, le=64, description="Context-parallel degree of the trainer.")
+    ep: int = Field(1, ge=1, le=64, description="Expert-parallel degree of the trainer.")
+
+
+class LoggingConfig(_Strict):
+    log_dir: str = Field("logs", description="Where node logs (train.log, rollout.log, ...), supervisord's "
+                         "logs and checkpoints go. Relative paths are relative to the supervisord.conf's folder.")
+    log_interval: int = Field(5, ge=1, le=100_000, description="A throughput line every this many train steps.")
+    save_interval: int = Field(0, ge=0, le=1_000_000, description="Checkpoint every this many steps; 0 = never.")
+
+
+class AgentConfig(_Strict):
+    gateway_config: str | None = Field(None, description="Router YAML for the gateway (gateway issue); unused by sim.")
+    framework: Literal["sim"] = Field("sim", description="What plays episodes. 'sim': synthetic prompts.")
+    max_turns: int = Field(1, ge=1, le=1000, description="Turns per episode.")
+    reward_source: Literal["rule", "passthrough"] = Field(
+        "rule", description="'rule': the task's verifier scores each trajectory; 'passthrough': keep the agent's reward.")
+    prompt_len: int = Field(128, ge=1, le=1_000_000, description="Prompt tokens per simulated episode.")
+    group_size: int = Field(1, ge=1, le=1024, description="Samples per task instance (GRPO group).")
+    seed: int = Field(0, description="Seed for simulated prompts and rewards.")
+
+
+class LengthDistribution(_Strict):
+    dist: Literal["lognormal", "uniform", "fixed"] = Field("lognormal", description="Output length distribution.")
+    median: float = Field(500.0, gt=0, description="lognormal: median output length in tokens.")
+    sigma: float = Field(0.8, ge=0, le=5, description="lognormal: shape; 0.8 gives a long tail.")
+    min: int = Field(200, ge=1, description="Shortest output (clip).")
+    max: int = Field(3000, ge=1, description="Longest output (clip; also max_tokens).")
+
+    @model_validator(mode="after")
+    def _order(self):
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
+        return self
+
+
+class RolloutEngineConfig(_Strict):
+    kind: Literal["sim"] = Field("sim", description="Generation engine. 'sim' models decode time; real engines "
+                                 "arrive with the RL issue.")
+    max_batch: int = Field(16, ge=1, le=4096, description="Sequences one worker decodes at once (continuous batching).")
+    decode_step_s: float = Field(0.001, ge=0, le=10, description="sim: time of one decode step at batch 1. "
+                                 "Memory-bound GPU decode is nearly flat in batch size.")
+    decode_step_per_seq_s: float = Field(0.00001, ge=0, le=1, description="sim: extra step time per sequence in the batch.")
+    swap_s: float = Field(0.005, ge=0, le=60, description="sim: pause to switch to new weights at a safe point.")
+    output_len: LengthDistribution = Field(default_factory=LengthDistribution)
+
+
+class TrainerEngineConfig(_Strict):
+    kind: Literal["sim"] = Field("sim", description="Training engine. 'sim' models time per token.")
+    time_per_token_s: float = Field(2e-5, ge=0, le=1, description="sim: training time per token on one train worker "
+                                    "(forward, backward, optimizer, proximal recompute), divided across train_workers.")
+    update_overhead_s: float = Field(0.01, ge=0, le=60, description="sim: fixed cost per update (weight export, sync).")
+
+
+class Endpoints(_Strict):
+    transport: Literal["ipc", "tcp"] = Field("ipc", description="ipc:// on one host (default), tcp:// across hosts.")
+    ipc_dir: str | None = Field(None, description="Folder for ipc sockets; default /tmp/areal_bus-<hash of log_dir>.")
+    host: str = Field("127.0.0.1", description="tcp: address nodes bind and connect to; loopback by default.")
+    base_port: int = Field(25500, ge=1024, le=60000, description="tcp: first port; channels take fixed offsets from it.")
+
+
+class NodeSpec(_Strict):
+    replicas: int | None = Field(None, ge=0, le=1024, description="Processes of this kind (0 = not started).")
+    host: str = Field("localhost", description="Host the node runs on (render writes the local ones).")
+    config: dict = Field(default_factory=dict, description="Node-specific settings, passed to the node as is.")
+
+
+class Topology(_Strict):
+    name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Run name.")
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    rollout_workers: int = Field(4, ge=0, le=1024, description="Rollout worker processes (edit to scale).")
+    train_workers: int = Field(1, ge=1, le=1024, description="Trainer ranks (data parallel).")
+    staleness_threshold: int = Field(2, ge=0, le=64, description="Policy versions a trajectory may lag when consumed; "
+                                     "1 is nearly synchronous, 8 risks divergence, 2-4 recommended.")
+    queue_max_size: int = Field(256, ge=1, le=1_000_000, description="Trajectory queue capacity; past it producers "
+                                "see backpressure (high-water marks and bounded node queues), never silent loss.")
+    trigger_batch_size: int = Field(16, ge=1, le=1_000_000, description="Ready samples that trigger one update "
+                                    "(async mode; suggested start global_batch_size / 2).")
+    global_batch_size: int = Field(32, ge=1, le=1_000_000, description="Most samples one update consumes "
+                                   "(and exactly what it consumes in synchronous mode).")
+    mini_batch_size: int = Field(8, ge=1, le=1_000_000, description="PPO mini-batch within an update.")
+    learning_rate: float = Field(1e-5, gt=0, le=1, description="Optimizer learning rate.")
+    max_steps: int = Field(20, ge=1, le=10_000_000, description="Updates before the run ends by itself.")
+    parallelism: Parallelism = Field(default_factory=Parallelism)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    rollout_engine: RolloutEngineConfig = Field(default_factory=RolloutEngineConfig)
+    trainer_engine: TrainerEngineConfig = Field(default_factory=TrainerEngineConfig)
+    endpoints: Endpoints = Field(default_factory=Endpoints)
+    nodes: dict[Literal["bus", "agent", "rollout", "reward", "trainer", "weights", "probe"], NodeSpec] = Field(
+        default_factory=dict, description="Node kinds to run; kinds left out get their defaults.")
+
+    @model_validator(mode="after")
+    def _coherent(self):
+        if self.trigger_batch_size > self.global_batch_size:
+            raise ValueError(f"trigger_batch_size ({self.trigger_batch_size}) must be <= global_batch_size "
+                             f"({self.global_batch_size})")
+        if self.mini_batch_size > self.global_batch_size:
+            raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must be <= global_batch_size "
+                             f"({self.global_batch_size})")
+        if self.global_batch_size > self.queue_max_size:
+            raise ValueError(f"global_batch_size ({self.global_batch_size}) must fit in queue_max_size "
+                             f"({self.queue_max_size}) or no update could ever trigger")
+        rollout = self.nodes.get("rollout")
+        if rollout is not None and rollout.replicas is not None and rollout.replicas != self.rollout_workers \
+                and "rollout_workers" in self.model_fields_set:
+            raise ValueError(f"nodes.rollout.replicas ({rollout.replicas}) and rollout_workers "
+                             f"({self.rollout_workers}) disagree; set one of them")
+        for kind in ("bus", "trainer", "weights"):
+            spec = self.nodes.get(kind)
+            if spec is not None and spec.replicas not in (None, 1):
+                raise ValueError(f"nodes.{kind}.replicas must be 1 (one {kind} per run; "
+                                 f"trainer ranks are set by train_workers)")
+        return self
+
+    # -- derived ------------------------------------------------------------------------------
+    def replicas(self, kind: str) -> int:
+        """Processes of ``kind`` this topology runs."""
+        spec = self.nodes.get(kind)
+        if spec is not None and spec.replicas is not None:
+            return spec.replicas
+        if kind == "rollout":
+            return self.rollout_workers
+        return {"probe": 0}.get(kind, 1)
+
+    def node_config(self, kind: str) -> dict:
+        spec = self.nodes.get(kind)
+        return dict(spec.config) if spec is not None else {}
+
+    @property
+    def is_async(self) -> bool:
+        return self.async_.enabled
+
+    @property
+    def effective_staleness(self) -> int:
+        """Synchronous mode is staleness 0 on the same machinery."""
+        return self.staleness_threshold if self.is_async else 0
+
+    @property
+    def effective_trigger(self) -> int:
+        return self.trigger_batch_size if self.is_async else self.global_batch_size
+
+    def log_dir(self, base: Path | None = None) -> Path:
+        p = Path(self.logging.log_dir)
+        return p if p.is_absolute() else (base or Path.cwd()) / p
+
+    def ipc_dir(self, base: Path | None = None) -> Path:
+        if self.endpoints.ipc_dir:
+            return Path(self.endpoints.ipc_dir)
+        # ipc paths are limited to ~107 bytes by the kernel, so not under a deep checkout.
+        digest = hashlib.sha1(str(self.log_dir(base).resolve()).encode()).hexdigest()[:10]
+        return Path("/tmp") / f"areal_bus-{digest}"
+
+    def endpoint(self, channel: str, replica: int = 0, base: Path | None = None) -> str:
+        """Address of ``channel`` (as bound by its owner; connectors use the same string)."""
+        offsets = {"hub_in": 0, "hub_out": 1, "work": 100, "samples": 200, "train": 300, "weights": 400}
+        if channel not in offsets:
+            raise KeyError(channel)
+        if self.endpoints.transport == "tcp":
+            return f"tcp://{self.endpoints.host}:{self.endpoints.base_port + offsets[channel] + replica}"
+        return f"ipc://{self.ipc_dir(base)}/{channel}-{replica}.sock"
+
+
+_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _expand(value, path: str, source: str):
+    if isinstance(value, str):
+        def sub(m):
+            name, default = m.group(1), m.group(2)
+            if name in os.environ:
+                return os.environ[name]
+            if default is not None:
+                return default
+            raise TopologyError(f"{source}: {path}: environment variable ${{{name}}} is not set "
+                                f"(export it in this shell, or write ${{{name}:-default}})")
+        return _ENV.sub(sub, value)
+    if isinstance(value, dict):
+        return {k: _expand(v, f"{path}.{k}" if path else str(k), source) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand(v, f"{path}[{i}]", source) for i, v in enumerate(value)]
+    return value
+
+
+def _format_errors(source: str, err: ValidationError, model=Topology) -> str:
+    lines = [f"{source}: invalid topology ({err.error_count()} problem{'s' if err.error_count() > 1 else ''})"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown field; allowed here: {', '.join(_allowed_fields(model, e['loc'][:-1]))}"
+        elif e["type"] == "literal_error":
+            msg = f"{msg}"
+        got = e.get("input")
+        shown = "" if e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"  {loc}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def _allowed_fields(model, loc) -> list[str]:
+    for part in loc:
+        field = model.model_fields.get(part) or next(
+            (f for f in model.model_fields.values() if f.alias == part), None)
+        ann = getattr(field, "annotation", None)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        else:
+            return []
+    return sorted(f.alias or n for n, f in model.model_fields.items())
+
+
+def parse_topology(data, source: str = "<topology>") -> Topology:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise TopologyError(f"{source}: a topology is a YAML mapping of fields, got {type(data).__name__}")
+    data = _expand(data, "", source)
+    try:
+        return Topology.model_validate(data)
+    except ValidationError as err:
+        raise TopologyError(_format_errors(source, err)) from None
+
+
+def load_topology(path: str | os.PathLike) -> Topology:
+    """Read, expand and validate a topology file. Raises TopologyError with one clear message."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise TopologyError(f"{path}: cannot read topology ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise TopologyError(f"{path}: not valid YAML: {exc}") from None
+    return parse_topology(data, str(path))
+
+
+def dump_resolved(topo: Topology) -> dict:
+    """The fully resolved configuration, as logged at node start."""
+    return topo.model_dump(mode="json", by_alias=True)

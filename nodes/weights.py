@@ -1,0 +1,93 @@
+"""Weight broadcaster node: turns "the trainer finished version v" into "every rollout worker may
+serve v", and knows when they all do.
+
+It receives WeightsReady from the trainer, announces the version on the hub (the bus caches it for late
+joiners, and this node repeats it every heartbeat so a lost announcement heals within half a second),
+and collects VersionAcks from rollout workers: a version is committed once every live worker serves
+it, which is when the buffer of the version before it may be reused. Simulated engines carry no
+weights (location ""); the shared-memory transport arrives with the RL issue.
+
+Run: areal-bus node weights --topology topology/default.yaml
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from areal_bus import messages as m
+from areal_bus.channels import Receiver, open_socket
+from areal_bus.constants import HEARTBEAT_INTERVAL_S, POLL_MS
+from areal_bus.node import NodeShell
+
+
+class VersionBook:
+    """Which worker serves which version. Holds no sockets."""
+
+    def __init__(self):
+        self.current: m.VersionAnnounce = m.VersionAnnounce(version=0, location="", nbytes=0, published_at=time.time())
+        self.serving: dict[str, int] = {}
+        self.committed = -1
+
+    def publish(self, ready: m.WeightsReady) -> m.VersionAnnounce:
+        self.current = m.VersionAnnounce(version=ready.version, location=ready.location, nbytes=ready.nbytes,
+                                         published_at=time.time())
+        return self.current
+
+    def ack(self, node_id: str, version: int) -> None:
+        self.serving[node_id] = max(version, self.serving.get(node_id, -1))
+
+    def newly_committed(self, live_workers: list[str]) -> int | None:
+        """The current version, once, when every live worker serves it."""
+        v = self.current.version
+        if v <= self.committed or not live_workers:
+            return None
+        if all(self.serving.get(w, -1) >= v for w in live_workers):
+            self.committed = v
+            return v
+        return None
+
+
+def run(topo, replica: int = 0, base=None) -> int:
+    shell = NodeShell(topo, "weights", replica, base=base, watch=("rollout", "trainer"),
+                      topics=(m.TOPIC_VERSION_ACK,))
+    shell.install_signal_handlers()
+    pull = open_socket(shell.ctx, zmq.PULL, shell.endpoint("weights"), bind=True, hwm=16)
+    inbox = Receiver(pull, shell.metrics, shell.log)
+    book = VersionBook()
+    shell.announce_start()
+    shell.start_heartbeat()
+    poller = zmq.Poller()
+    poller.register(shell.sub, zmq.POLLIN)
+    poller.register(pull, zmq.POLLIN)
+    last_announce = 0.0
+    try:
+        while not shell.stopping.is_set():
+            for _, msg in shell.drain_hub():
+                if isinstance(msg, m.VersionAck):
+                    book.ack(msg.node_id, msg.version)
+            for _, msg in inbox.drain():
+                if not isinstance(msg, m.WeightsReady):
+                    inbox.drop("wrong_type", type(msg).__name__)
+                    continue
+                if msg.version > book.current.version:
+                    book.publish(msg)
+                    last_announce = 0.0
+            now = time.monotonic()
+            if now - last_announce >= HEARTBEAT_INTERVAL_S:
+                shell.publish(m.TOPIC_VERSION, book.current, (book.current.version,))
+                shell.version = book.current.version
+                last_announce = now
+            workers = [p.node_id for p in shell.peers.alive("rollout")]
+            v = book.newly_committed(workers)
+            if v is not None:
+                lag = time.time() - book.current.published_at
+                shell.metrics.inc("versions_committed")
+                shell.metrics.gauge("commit_latency_s", lag)
+                shell.log.info("committed", version=v, serving=f"{len(workers)}/{len(workers)}",
+                               latency_ms=round(lag * 1000, 1))
+            poller.poll(POLL_MS)
+    finally:
+        shell.close()
+    return 0
