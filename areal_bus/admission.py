@@ -8,8 +8,19 @@ version ``v`` no more than that many may have been admitted in total:
     capacity = (staleness + v + 1) * batch - (accepted + running)
 
 Here ``accepted + running`` is every admitted episode not returned (dropped as stale at the trainer,
-which gives its slot back). Synchronous mode is staleness 0 with batch = global_batch_size: exactly one
-batch is admitted per version.
+which gives its slot back), and ``batch`` is global_batch_size, what one update consumes when data is
+plentiful (AReaL's consumer batch size). Synchronous mode is staleness 0: exactly one batch is
+admitted per version.
+
+The rule bounds staleness exactly only if samples finish in admission order; with long-tailed output
+lengths a long sample can be overtaken by later short ones and reach the trainer later than its slot.
+That is what the consumption check is for.
+
+A second, tighter bound keeps the trainer's queue short: an episode source holds new admissions while
+the episodes it has finished but the trainer has not yet consumed (``in_data_path``) already fill two
+updates (the one training now and the next). Past that, more finished samples only wait in the
+queue and grow old; holding them back costs no throughput while the trainer has its next batch, and
+keeps waiting time (and staleness drops of long samples) low when the trainer is the bottleneck.
 
 Consumption: a trajectory whose oldest token was generated more than ``staleness`` versions before
 the trainer's current version is dropped and counted, never trained on.
@@ -44,8 +55,9 @@ class Admission:
         self.admitted = 0  # accepted + running, as in the rule
         self.returned = 0
 
-    def capacity(self, version: int) -> int:
-        return capacity(version, self.staleness, self.batch_share, self.admitted)
+    def capacity(self, version: int, in_data_path: int = 0) -> int:
+        ready_room = 2 * self.batch_share - in_data_path
+        return max(0, min(capacity(version, self.staleness, self.batch_share, self.admitted), ready_room))
 
     def admit(self, n: int = 1) -> None:
         self.admitted += n

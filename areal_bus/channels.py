@@ -97,8 +97,10 @@ class ReliableSender:
     sends until ZeroMQ and the consumer are done with them.
     """
 
-    def __init__(self, sock: zmq.Socket, encoder: Encoder, metrics: Metrics, name: str, capacity: int):
+    def __init__(self, sock: zmq.Socket, encoder: Encoder, metrics: Metrics, name: str, capacity: int,
+                 track_acks: bool = True):
         self.sock = sock
+        self.track_acks = track_acks  # False: forget a message once ZeroMQ has taken it
         self.encoder = encoder
         self.metrics = metrics
         self.name = name
@@ -128,8 +130,9 @@ class ReliableSender:
                     self.metrics.inc(f"{self.name}.backpressure_events")
                 break
             self.pending.popitem(last=False)
-            self.unacked[key] = (frames, time.monotonic())
-            self.unacked.move_to_end(key)
+            if self.track_acks:
+                self.unacked[key] = (frames, time.monotonic())
+                self.unacked.move_to_end(key)
             sent += 1
         if not self.pending and self._blocked_since is not None:
             self.metrics.inc(f"{self.name}.blocked_seconds", time.monotonic() - self._blocked_since)

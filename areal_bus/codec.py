@@ -13,6 +13,7 @@ channels count, log and drop.
 
 from __future__ import annotations
 
+import math
 import os
 import types
 import typing
@@ -112,7 +113,8 @@ class Encoder:
             if dname is None:
                 raise TypeError(f"{msg.TAG}.{name}: dtype {arr.dtype} cannot cross the wire")
             metas.append([name, dname, list(arr.shape)])
-            bufs.append(memoryview(arr).cast("B") if arr.size else b"")
+            # A flat uint8 view, still no copy: memoryview cannot export ml_dtypes types (bfloat16).
+            bufs.append(memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b"")
         self.seq += 1
         header = self._packer.pack(
             [WIRE_VERSION, msg.TAG, self.producer, self.seq, os.urandom(16), [int(v) for v in versions], body, metas]
@@ -156,7 +158,7 @@ def decode(frames: typing.Sequence) -> tuple[Envelope, object]:
         elif required:
             raise DecodeError("missing_field", name)
     if len(body) != len(kwargs):
-        raise DecodeError("unknown_field", ",".join(sorted(set(body) - spec.scalar_names))[:64])
+        raise DecodeError("unknown_field", ",".join(sorted(map(str, set(body) - spec.scalar_names)))[:64])
     if len(metas) != len(spec.arrays) or len(frames) != 1 + len(metas):
         raise DecodeError("array_count", f"{len(metas)} metas, {len(frames) - 1} frames")
     for expected, meta, frame in zip(spec.arrays, metas, frames[1:]):
@@ -172,10 +174,12 @@ def _array(expected: str, meta, frame) -> np.ndarray:
     dtype = DTYPES.get(dname) if isinstance(dname, str) else None
     if dtype is None:
         raise DecodeError("bad_dtype", repr(dname)[:32])
-    if not (isinstance(shape, list) and len(shape) <= 8 and all(isinstance(d, int) and d >= 0 for d in shape)):
+    # bool is an int subclass, but numpy will not reshape by one.
+    if not (isinstance(shape, list) and len(shape) <= 8
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
         raise DecodeError("bad_shape", expected)
     buf = _buffer_of(frame)
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = math.prod(shape)  # Python ints: a hostile shape must not wrap around in int64
     if buf.nbytes != count * dtype.itemsize:
         raise DecodeError("array_size", f"{expected}: {buf.nbytes} bytes for {shape} {dname}")
     return np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)

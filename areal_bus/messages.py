@@ -7,7 +7,8 @@ number, a unique message id and the policy version(s) the payload was made under
 
 Channels (names as in the topology's ``endpoints``):
   work     PUSH/PULL  agent -> rollout           generation requests
-  samples  PUSH/PULL  rollout -> reward          finished trajectories, reward not yet set
+  replies  PUSH/PULL  rollout -> agent           completions, back to the agent that asked
+  samples  PUSH/PULL  agent -> reward            finished episodes as trajectories
   train    PUSH/PULL  reward -> trainer          rewarded trajectories
   weights  PUSH/PULL  trainer -> weights         a new policy version is ready
   hub      PUB -> bus -> SUB (topic in frame 0)  heartbeats, versions, acks, events
@@ -25,7 +26,6 @@ TOPIC_HEARTBEAT = b"hb"
 TOPIC_VERSION = b"ver"
 TOPIC_VERSION_ACK = b"vack"
 TOPIC_TRAJ_ACK = b"ack"
-TOPIC_GEN_DONE = b"done"
 TOPIC_EVENT = b"evt"
 TOPIC_RUN = b"run"
 
@@ -73,21 +73,43 @@ class GenerateRequest:
     max_tokens: int
     temperature: float
     prompt_ids: np.ndarray
+    reply_to: int = 0
     group_id: str = ""
     top_p: float = 1.0
     stop: list = field(default_factory=list)
     meta: dict = field(default_factory=dict)
 
 
+@message("comp")
+@dataclass(slots=True)
+class Completion:
+    """rollout -> agent (channel ``replies``, to agent replica ``reply_to`` of the request). The exact
+    token ids sampled, each with its log-probability and the policy version that produced it."""
+
+    TAG: ClassVar[str]
+    ARRAYS: ClassVar[tuple[str, ...]] = ("output_ids", "logprobs", "versions")
+    request_id: str
+    episode_id: str
+    ticket: int
+    worker: str
+    output_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str = "length"
+    gen_seconds: float = 0.0
+
+
 @message("traj")
 @dataclass(slots=True)
 class Trajectory:
-    """rollout -> reward (``samples``) and reward -> trainer (``train``). One finished episode.
+    """agent -> reward (``samples``) and reward -> trainer (``train``). One finished episode.
 
-    ``traj_id`` is unique per episode (the request id): the trainer consumes each id once. Token
-    arrays are aligned: ``output_ids[i]`` was sampled with log-probability ``logprobs[i]`` by policy
-    version ``versions[i]``; ``loss_mask[i]`` is 1 for tokens the policy generated, 0 for tool or
-    environment tokens. ``reward`` is None until the reward node (or the agent) sets it.
+    ``traj_id`` is unique per episode: the trainer consumes each id once. ``output_ids`` is everything
+    after the first prompt: the policy's sampled tokens and, between turns, the environment's reply
+    tokens. Arrays are aligned: policy token ``output_ids[i]`` was sampled with log-probability
+    ``logprobs[i]`` by policy version ``versions[i]`` and has ``loss_mask[i] = 1``; environment tokens
+    have loss_mask 0, logprob 0 and version -1. ``reward`` is None until the reward node (or the
+    agent) sets it.
     """
 
     TAG: ClassVar[str]
@@ -110,7 +132,8 @@ class Trajectory:
     @property
     def start_version(self) -> int:
         """The oldest policy version that produced any token: staleness is measured from here."""
-        return int(self.versions.min()) if self.versions.size else 0
+        policy = self.versions[self.versions >= 0]
+        return int(policy.min()) if policy.size else 0
 
     @property
     def num_tokens(self) -> int:
@@ -196,18 +219,6 @@ class TrajAck:
     consumed: list
     stale: list
     duplicate: list
-
-
-@message("done")
-@dataclass(slots=True)
-class GenDone:
-    """rollout -> agent (topic ``done``). Generation finished for these request ids; the trajectories
-    are now the data path's to deliver, so the agent stops tracking them for reissue."""
-
-    TAG: ClassVar[str]
-    worker: str
-    request_ids: list
-    tokens: int
 
 
 @message("evt")

@@ -22,6 +22,13 @@ STOP_WAIT_S = 10
 LINGER_MS; a trainer mid-update finishes its step first, which the simulated and tiny models do fast."""
 
 
+# The nodes find `areal-bus` in the checkout's venv first. This goes on each program, not in
+# [supervisord] environment: supervisord feeds that section's variables back into its own ENV_*
+# expansions, so a PATH referring to %(ENV_PATH)s there grows on every re-read and `supervisorctl
+# update` would see every program as changed and restart them all.
+PATH_ENV = 'environment=PATH="%(here)s/.venv/bin:%(ENV_PATH)s"'
+
+
 def _here(path: str) -> str:
     return path if os.path.isabs(path) else f"%(here)s/{path}"
 
@@ -40,7 +47,7 @@ def render(topo: Topology, topology_path: str | os.PathLike, conf_dir: str | os.
         f"pidfile={log_dir}/supervisord.pid",
         f"childlogdir={sup}",
         "directory=%(here)s",
-        'environment=PATH="%(here)s/.venv/bin:%(ENV_PATH)s",PYTHONUNBUFFERED="1"',
+        'environment=PYTHONUNBUFFERED="1"',
         "",
         "[unix_http_server]",
         f"file={log_dir}/supervisor.sock",
@@ -63,6 +70,7 @@ def render(topo: Topology, topology_path: str | os.PathLike, conf_dir: str | os.
             "process_name=%(program_name)s-%(process_num)d",
             f"numprocs={n}",
             "directory=%(here)s",
+            PATH_ENV,
             f"priority={PRIORITY[kind]}",
             "autostart=true",
             "autorestart=unexpected",
@@ -84,6 +92,7 @@ def render(topo: Topology, topology_path: str | os.PathLike, conf_dir: str | os.
         "command=areal-bus run-end --program trainer",
         "events=PROCESS_STATE_EXITED",
         "directory=%(here)s",
+        PATH_ENV,
         "autorestart=true",
         f"stderr_logfile={sup}/run_end.log",
         "",

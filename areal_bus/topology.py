@@ -13,7 +13,7 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -117,7 +117,8 @@ class Topology(_Strict):
     trigger_batch_size: int = Field(16, ge=1, le=1_000_000, description="Ready samples that trigger one update "
                                     "(async mode; suggested start global_batch_size / 2).")
     global_batch_size: int = Field(32, ge=1, le=1_000_000, description="Most samples one update consumes "
-                                   "(and exactly what it consumes in synchronous mode).")
+                                   "(exactly what it consumes in synchronous mode), and the batch of the "
+                                   "staleness admission rule.")
     mini_batch_size: int = Field(8, ge=1, le=1_000_000, description="PPO mini-batch within an update.")
     learning_rate: float = Field(1e-5, gt=0, le=1, description="Optimizer learning rate.")
     max_steps: int = Field(20, ge=1, le=10_000_000, description="Updates before the run ends by itself.")
@@ -193,7 +194,8 @@ class Topology(_Strict):
 
     def endpoint(self, channel: str, replica: int = 0, base: Path | None = None) -> str:
         """Address of ``channel`` (as bound by its owner; connectors use the same string)."""
-        offsets = {"hub_in": 0, "hub_out": 1, "work": 100, "samples": 200, "train": 300, "weights": 400}
+        offsets = {"hub_in": 0, "hub_out": 1, "work": 100, "samples": 200, "train": 300, "weights": 400,
+                   "replies": 500}
         if channel not in offsets:
             raise KeyError(channel)
         if self.endpoints.transport == "tcp":
@@ -238,10 +240,15 @@ def _format_errors(source: str, err: ValidationError, model=Topology) -> str:
 
 
 def _allowed_fields(model, loc) -> list[str]:
-    for part in loc:
+    parts = list(loc)
+    while parts:
+        part = parts.pop(0)
         field = model.model_fields.get(part) or next(
             (f for f in model.model_fields.values() if f.alias == part), None)
         ann = getattr(field, "annotation", None)
+        if get_origin(ann) is dict and parts:
+            parts.pop(0)  # the key (nodes.<kind>): every value of the mapping has one schema
+            ann = get_args(ann)[1]
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             model = ann
         else:

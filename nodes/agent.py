@@ -1,13 +1,14 @@
-"""Agent node: starts episodes, under the staleness admission rule, and sees each one through.
+"""Agent node: plays episodes, under the staleness admission rule, and records each as a trajectory.
 
-``EpisodeSource`` (no sockets) decides what to start and tracks every request until the data path owns
-it: admitted -> claimed by a rollout worker (its heartbeat lists the request) -> done (the worker
-finished generating; from here on trajectories are protected by acks and resends) -> acked by the
-trainer. A request held by a worker that dies, or never claimed while a worker died, is issued again
-under the same id, so the trainer still trains on it at most once.
+``EpisodeSource`` (no sockets) decides when an episode may start (AReaL's capacity rule), turns each
+turn into a GenerateRequest, folds each Completion into the episode's token record, and emits the
+finished episode as one Trajectory. It tracks every generation request until its completion arrives:
+a request held by a rollout worker that dies (or sitting in its pipe) is issued again under the same
+id; a completion that arrives twice is ignored. Episodes stay admitted until the trainer acknowledges
+them; those it drops as over-stale give their slot back.
 
-With ``agent.framework: sim`` episodes are synthetic prompts; real agent tasks arrive with the RL issue
-and reach the rollout workers the same way.
+A driver plays the task: ``sim`` (synthetic single-turn prompts, output lengths drawn by the simulated
+engine) here; real multi-turn tasks plug in the same way.
 
 Run: areal-bus node agent --topology topology/default.yaml --replica 0
 """
@@ -23,9 +24,26 @@ import zmq
 
 from areal_bus import messages as m
 from areal_bus.admission import Admission
-from areal_bus.channels import open_socket
+from areal_bus.channels import Receiver, ReliableSender, open_socket
 from areal_bus.constants import POLL_MS, REISSUE_UNCLAIMED_S, WORK_HWM
+from areal_bus.episode import EpisodeRecord
 from areal_bus.node import NodeShell
+
+
+class SimDriver:
+    """Synthetic single-turn episodes; the reward node scores them."""
+
+    def __init__(self, topo):
+        self.prompt_len = topo.agent.prompt_len
+        self.max_tokens = topo.rollout_engine.output_len.max
+
+    def start(self, rng: np.random.Generator, index: int):
+        """(task state, first prompt ids, meta) for a new task instance."""
+        return None, rng.integers(0, 32000, self.prompt_len, dtype=np.int32), {"task": "sim"}
+
+    def advance(self, state, record: EpisodeRecord, comp: m.Completion):
+        """After a turn: (environment reply ids or None, done, reward or None)."""
+        return None, True, None
 
 
 @dataclass(slots=True)
@@ -33,126 +51,177 @@ class _Req:
     msg: m.GenerateRequest
     issued_at: float
     claimed_by: str | None = None
-    done: bool = False
+
+
+@dataclass(slots=True)
+class _Episode:
+    record: EpisodeRecord
+    state: object
+    request_id: str
 
 
 class EpisodeSource:
-    def __init__(self, topo, replica: int, replicas: int):
+    def __init__(self, topo, replica: int, replicas: int, driver=None):
         self.topo = topo
         self.replica = replica
-        self.cfg = topo.agent
-        self.admission = Admission(topo.effective_staleness, topo.effective_trigger, replicas, replica)
-        self.rng = np.random.default_rng(self.cfg.seed * 1000 + replica)
+        self.driver = driver or SimDriver(topo)
+        self.admission = Admission(topo.effective_staleness, topo.global_batch_size, replicas, replica)
+        self.rng = np.random.default_rng(topo.agent.seed * 1000 + replica)
         self.prefix = f"a{replica}-{uuid.uuid4().hex[:8]}"
-        self.tickets = 0
+        self.count = 0
         self.version = 0
         self.finished = False
-        self.requests: dict[str, _Req] = {}  # admitted, not yet acked by the trainer
-        self.to_send: list[m.GenerateRequest] = []  # admitted or reissued, not yet taken by ZeroMQ
+        self.requests: dict[str, _Req] = {}  # generation requests not yet completed
+        self.episodes: dict[str, _Episode] = {}  # episodes being played
+        self.emitted: set[str] = set()  # episodes handed to the data path, not yet acked
+        self.to_send: list[m.GenerateRequest] = []  # requests ZeroMQ has not taken yet
 
-    def new_requests(self, now: float) -> list[m.GenerateRequest]:
-        """Admit as many new episodes as the rule allows (none while unsent ones wait)."""
+    # -- admission -------------------------------------------------------------------------------
+    def start_episodes(self, now: float) -> int:
+        """Admit as many new episodes as the rule allows (none while unsent requests wait)."""
         if self.finished or self.to_send:
-            return []
-        n = self.admission.capacity(self.version)
-        group = self.cfg.group_size
+            return 0
+        group = self.topo.agent.group_size
+        n = self.admission.capacity(self.version, len(self.emitted))
         n -= n % group  # a GRPO group is admitted whole or not at all
-        out = []
         for _ in range(n // group):
-            gid = f"{self.prefix}-g{self.tickets}"
-            prompt = self.rng.integers(0, 32000, self.cfg.prompt_len, dtype=np.int32)
-            for k in range(group):
-                rid = f"{self.prefix}-{self.tickets}"
-                self.tickets += 1
+            state, prompt, meta = self.driver.start(self.rng, self.count)
+            gid = f"{self.prefix}-g{self.count}"
+            for _ in range(group):
+                eid = f"{self.prefix}-{self.count}"
+                self.count += 1
                 # The slot in consumption order (stale drops give theirs back): slot // batch is the
                 # train step this sample is meant for, at most staleness steps ahead of training.
-                slot = self.admission.admitted + len(out)
-                req = m.GenerateRequest(
-                    request_id=rid, episode_id=rid, ticket=slot * self.topo.replicas("agent") + self.replica,
-                    min_version=self.version, max_tokens=self.topo.rollout_engine.output_len.max,
-                    temperature=1.0, prompt_ids=prompt, group_id=gid)
-                self.requests[rid] = _Req(req, now)
-                out.append(req)
-        self.admission.admit(len(out))
-        self.to_send.extend(out)
-        return out
+                slot = self.admission.admitted * self.topo.replicas("agent") + self.replica
+                self.admission.admit(1)
+                rec = EpisodeRecord(eid, prompt, group_id=gid, ticket=slot, meta=meta)
+                self.episodes[eid] = _Episode(rec, state, "")
+                self._request(eid, now)
+        return n
+
+    def _request(self, eid: str, now: float) -> None:
+        ep = self.episodes[eid]
+        rid = f"{eid}-t{ep.record.turns}"
+        ep.request_id = rid
+        req = m.GenerateRequest(
+            request_id=rid, episode_id=eid, ticket=ep.record.ticket, min_version=self.version,
+            max_tokens=self.driver.max_tokens, temperature=1.0, prompt_ids=ep.record.next_prompt(),
+            reply_to=self.replica, group_id=ep.record.group_id)
+        self.requests[rid] = _Req(req, now)
+        self.to_send.append(req)
+
+    # -- events ----------------------------------------------------------------------------------
+    def on_completion(self, comp: m.Completion, now: float) -> m.Trajectory | None:
+        """Fold a completion into its episode; the finished Trajectory when the episode is over."""
+        if self.requests.pop(comp.request_id, None) is None:
+            return None  # a reissued request completed twice, or a stranger's: already handled
+        ep = self.episodes[comp.episode_id]
+        ep.record.add_completion(comp)
+        env_ids, done, reward = self.driver.advance(ep.state, ep.record, comp)
+        if not done:
+            ep.record.add_env(env_ids)
+            self._request(comp.episode_id, now)
+            return None
+        del self.episodes[comp.episode_id]
+        self.emitted.add(comp.episode_id)
+        return ep.record.to_trajectory(reward)
 
     def on_ack(self, ack: m.TrajAck) -> None:
-        for rid in ack.consumed:
-            self.requests.pop(rid, None)
-        mine = [rid for rid in ack.stale if self.requests.pop(rid, None) is not None]
-        self.admission.give_back(len(mine))
-        for rid in ack.duplicate:
-            self.requests.pop(rid, None)
-
-    def on_done(self, done: m.GenDone) -> None:
-        for rid in done.request_ids:
-            req = self.requests.get(rid)
-            if req is not None:
-                req.done = True
+        for eid in (*ack.consumed, *ack.duplicate):
+            self.emitted.discard(eid)
+        stale = [eid for eid in ack.stale if eid in self.emitted]
+        self.emitted.difference_update(stale)
+        self.admission.give_back(len(stale))
 
     def on_claims(self, worker: str, inflight: list) -> None:
         for rid in inflight:
             req = self.requests.get(rid)
-            if req is not None and not req.done:
+            if req is not None:
                 req.claimed_by = worker
 
-    def reissue(self, dead_worker: str | None, now: float) -> list[m.GenerateRequest]:
-        """Requests to issue again: those the dead worker held, and those nobody claimed for long.
-        When a worker dies, unclaimed requests may have been sitting in its pipe: reissue those too."""
-        out = []
+    def reissue(self, dead_worker: str | None, now: float) -> int:
+        """Issue again what the dead worker held, and what nobody claimed (when a worker dies,
+        unclaimed requests may have been sitting in its pipe; otherwise only after a long wait)."""
         waiting = {r.request_id for r in self.to_send}
+        again = 0
         for rid, req in self.requests.items():
-            if req.done or rid in waiting:
+            if rid in waiting:
                 continue
             held_by_dead = dead_worker is not None and req.claimed_by == dead_worker
             unclaimed = req.claimed_by is None and (dead_worker is not None or now - req.issued_at > REISSUE_UNCLAIMED_S)
             if held_by_dead or unclaimed:
                 req.claimed_by, req.issued_at = None, now
-                out.append(req.msg)
-        self.to_send.extend(out)
-        return out
+                self.to_send.append(req.msg)
+                again += 1
+        return again
 
-    @property
-    def running(self) -> int:
-        return sum(1 for r in self.requests.values() if not r.done)
+
+def make_driver(topo):
+    if topo.agent.framework == "sim":
+        return SimDriver(topo)
+    raise ValueError(f"unknown agent framework {topo.agent.framework!r}")
+
+
+def downstream(topo, shell) -> list[str]:
+    """Where finished episodes go: every reward replica (PUSH round-robins), or the trainer."""
+    n = topo.replicas("reward")
+    return [shell.endpoint("samples", i) for i in range(n)] if n else [shell.endpoint("train")]
 
 
 def run(topo, replica: int = 0, base=None) -> int:
-    shell = NodeShell(topo, "agent", replica, base=base, watch=("rollout",),
-                      topics=(m.TOPIC_VERSION, m.TOPIC_TRAJ_ACK, m.TOPIC_GEN_DONE, m.TOPIC_RUN))
+    shell = NodeShell(topo, "agent", replica, base=base, watch=("rollout", "reward", "trainer"),
+                      topics=(m.TOPIC_VERSION, m.TOPIC_TRAJ_ACK, m.TOPIC_RUN))
     shell.install_signal_handlers()
     work = open_socket(shell.ctx, zmq.PUSH, shell.endpoint("work", replica), bind=True, hwm=WORK_HWM)
-    src = EpisodeSource(topo, replica, topo.replicas("agent"))
+    replies = open_socket(shell.ctx, zmq.PULL, shell.endpoint("replies", replica), bind=True,
+                          hwm=topo.queue_max_size)
+    out = open_socket(shell.ctx, zmq.PUSH, downstream(topo, shell), bind=False, hwm=topo.queue_max_size)
+    sender = ReliableSender(out, shell.encoder, shell.metrics, "out", capacity=topo.queue_max_size)
+    inbox = Receiver(replies, shell.metrics, shell.log)
+    src = EpisodeSource(topo, replica, topo.replicas("agent"), make_driver(topo))
+    consumer_kind = "reward" if topo.replicas("reward") else "trainer"
     shell.announce_start(mode="async" if topo.is_async else "sync", staleness=topo.effective_staleness,
-                         batch=src.admission.batch_share)
+                         batch=src.admission.batch_share, framework=topo.agent.framework)
     shell.start_heartbeat()
     poller = zmq.Poller()
     poller.register(shell.sub, zmq.POLLIN)
+    poller.register(replies, zmq.POLLIN)
+    t_resend = time.monotonic()
     try:
         while not shell.stopping.is_set():
             now = time.monotonic()
-            for env, msg in shell.drain_hub():
+            for _, msg in shell.drain_hub():
                 if isinstance(msg, m.VersionAnnounce):
                     src.version = max(src.version, msg.version)
                 elif isinstance(msg, m.TrajAck):
                     src.on_ack(msg)
-                elif isinstance(msg, m.GenDone):
-                    src.on_done(msg)
+                    for ids in (msg.consumed, msg.stale, msg.duplicate):
+                        sender.ack(ids)
                 elif isinstance(msg, m.Heartbeat) and msg.kind == "rollout":
                     src.on_claims(msg.node_id, msg.inflight)
                 elif isinstance(msg, m.Event) and msg.name == "peer_dead" and msg.fields.get("kind") == "rollout":
-                    again = src.reissue(msg.node_id, now)
-                    if again:
-                        shell.log.warning("reissued", requests=len(again), dead_worker=msg.node_id)
+                    n = src.reissue(msg.node_id, now)
+                    if n:
+                        shell.log.warning("reissued", requests=n, dead_worker=msg.node_id)
+                elif isinstance(msg, m.Event) and msg.name == "peer_restarted" and msg.fields.get("kind") == consumer_kind:
+                    shell.log.warning("resent", trajectories=sender.resend(), reason=f"{msg.node_id} restarted")
                 elif isinstance(msg, m.RunState) and msg.finished and not src.finished:
                     src.finished = True
-                    shell.log.info("run_finished", version=msg.version, admitted=src.tickets)
-            again = src.reissue(None, now)
-            if again:
-                shell.log.warning("reissued", requests=len(again), reason="unclaimed")
-            admitted = src.new_requests(now)
-            shell.metrics.inc("admitted", len(admitted))
+                    shell.log.info("run_finished", version=msg.version, episodes=src.count)
+            for _, comp in inbox.drain():
+                if not isinstance(comp, m.Completion):
+                    inbox.drop("wrong_type", type(comp).__name__)
+                    continue
+                traj = src.on_completion(comp, now)
+                if traj is not None:
+                    sender.offer(traj.traj_id, traj, (traj.start_version,))
+                    shell.metrics.inc("samples")
+                    shell.metrics.inc("tokens", int(traj.loss_mask.sum()))
+            n = src.reissue(None, now)
+            if n:
+                shell.log.warning("reissued", requests=n, reason="unclaimed")
+            if not sender.full:  # backpressure: no new episodes while the data path is backed up
+                shell.metrics.inc("admitted", src.start_episodes(now))
             while src.to_send:
                 try:
                     work.send_multipart(shell.encoder.encode(src.to_send[0], (src.to_send[0].min_version,)),
@@ -160,13 +229,14 @@ def run(topo, replica: int = 0, base=None) -> int:
                 except zmq.Again:
                     break  # every worker is busy: the request waits here, counted as queued
                 src.to_send.pop(0)
-                shell.metrics.inc("sent")
+            sender.flush()
+            if now - t_resend > 1.0:
+                sender.resend_overdue()
+                t_resend = now
             shell.metrics.gauge("queue.unsent", len(src.to_send))
-            shell.metrics.gauge("running", src.running)
-            shell.metrics.gauge("capacity", src.admission.capacity(src.version))
-            shell.inflight = []
-            timeout = POLL_MS if not src.to_send else 2  # retry sends soon when workers are busy
-            poller.poll(timeout)
+            shell.metrics.gauge("running", len(src.requests))
+            shell.metrics.gauge("capacity", src.admission.capacity(src.version, len(src.emitted)))
+            poller.poll(POLL_MS if not (src.to_send or sender.pending) else 2)
     finally:
         shell.close()
     return 0

@@ -152,7 +152,9 @@ def run(topo, replica: int = 0, base=None) -> int:
                                reward=round(stats.get("reward", 0.0), 4), train_s=round(took, 3))
                 steps_file.write(json.dumps({"step": version - 1, "t_end": time.time(), "train_s": took,
                                              "wait_s": stats.get("_wait_s", 0.0), "samples": len(batch),
-                                             "tokens": tokens, **{k: v for k, v in stats.items() if k[0] != "_"},
+                                             "tokens": tokens, "stale_dropped": queue.stale,
+                                             "duplicates": queue.duplicates,
+                                             **{k: v for k, v in stats.items() if k[0] != "_"},
                                              "staleness": stats.get("_staleness", {})}) + "\n")
                 if version % topo.logging.log_interval == 0:
                     dt = time.monotonic() - window["t"]

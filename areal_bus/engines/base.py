@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from areal_bus.messages import GenerateRequest, Trajectory
+from areal_bus.messages import Completion, GenerateRequest, Trajectory
 
 
 class RolloutEngine(Protocol):
@@ -24,8 +24,8 @@ class RolloutEngine(Protocol):
     def add_request(self, req: GenerateRequest) -> None:
         """Join the running batch at the next step."""
 
-    def step(self) -> list[Trajectory]:
-        """One decode step for every running sequence; returns those that finished (reward unset)."""
+    def step(self) -> list[Completion]:
+        """One decode step for every running sequence; returns those that finished."""
 
     def swap_weights(self, version: int, location: str) -> float:
         """Switch to ``version`` between two steps (the safe point). Returns seconds the swap took.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from areal_bus.messages import GenerateRequest, Trajectory
+from areal_bus.messages import Completion, GenerateRequest, Trajectory
 from areal_bus.topology import LengthDistribution, RolloutEngineConfig, TrainerEngineConfig
 
 
@@ -68,7 +68,7 @@ class SimRolloutEngine:
         self._running[req.request_id] = _Seq(req, length, self.steps, time.time())
         self._finish_at.setdefault(self.steps + length, []).append(req.request_id)
 
-    def step(self) -> list[Trajectory]:
+    def step(self) -> list[Completion]:
         if not self._running:
             return []
         cost = self.cfg.decode_step_s + self.cfg.decode_step_per_seq_s * len(self._running)
@@ -101,18 +101,16 @@ class SimRolloutEngine:
                 out[lo - start:hi - start] = version
         return out
 
-    def _finish(self, rid: str) -> Trajectory:
+    def _finish(self, rid: str) -> Completion:
         seq = self._running.pop(rid)
         rng = np.random.default_rng(_seed(rid) ^ 0x5EED)
         n = seq.length
-        return Trajectory(
-            traj_id=rid, episode_id=seq.req.episode_id, ticket=seq.req.ticket, worker=self.worker,
-            prompt_ids=seq.req.prompt_ids,
+        return Completion(
+            request_id=rid, episode_id=seq.req.episode_id, ticket=seq.req.ticket, worker=self.worker,
             output_ids=rng.integers(0, self.vocab_size, n, dtype=np.int32),
             logprobs=(-rng.exponential(1.0, n)).astype(np.float32),
             versions=self._token_versions(seq.start_step, n),
-            loss_mask=np.ones(n, dtype=np.uint8),
-            group_id=seq.req.group_id, finish_reason="length" if n >= seq.req.max_tokens else "stop",
+            finish_reason="length" if n >= seq.req.max_tokens else "stop",
             gen_seconds=time.time() - seq.started_at,
         )
 
