@@ -4,6 +4,7 @@
   areal-bus validate TOPOLOGY                       check a topology, print the resolved config
   areal-bus node KIND --topology T [--replica N]    run one node (what supervisord runs)
   areal-bus probe [--topology T] [--json]           attach to a running system, print throughput
+  areal-bus plot --log-dir logs --metric reward     loss|reward|throughput|staleness curve as a PNG
   areal-bus run-end [--program trainer]             supervisord event listener: stop when training ends
 """
 
@@ -57,6 +58,18 @@ def cmd_probe(args) -> int:
     return attach(topo, interval=args.interval, duration=args.duration, as_json=args.json)
 
 
+def cmd_plot(args) -> int:
+    from areal_bus.plot import plot
+
+    try:
+        out = plot(args.log_dir, args.metric, args.output)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"areal-bus plot: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_run_end(args) -> int:
     from areal_bus.runend import listen
 
@@ -84,11 +97,18 @@ def main(argv=None) -> int:
     pr.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     pr.add_argument("--json", action="store_true", help="one JSON object per node per report")
     pr.set_defaults(fn=cmd_probe)
+    pl = sub.add_parser("plot", help="plot loss, reward, throughput or staleness from a run's logs")
+    pl.add_argument("--log-dir", default="logs")
+    pl.add_argument("--metric", default="reward", choices=("loss", "reward", "throughput", "staleness"))
+    pl.add_argument("--output", default=None, help="PNG path (default: <log-dir>/<metric>.png)")
+    pl.set_defaults(fn=cmd_plot)
     e = sub.add_parser("run-end", help="supervisord event listener that ends the run with the trainer")
     e.add_argument("--program", default="trainer")
     e.set_defaults(fn=cmd_run_end)
     args = p.parse_args(argv)
-    if not Path(getattr(args, "topology", ".") or ".").exists() and args.cmd not in ("run-end",):
+    if args.cmd == "plot" and args.output is None:
+        args.output = str(Path(args.log_dir) / f"{args.metric}.png")
+    if not Path(getattr(args, "topology", ".") or ".").exists():
         print(f"areal-bus: topology file {args.topology} not found", file=sys.stderr)
         return 2
     return args.fn(args)
