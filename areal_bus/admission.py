@@ -8,22 +8,25 @@ version ``v`` no more than that many may have been admitted in total:
     capacity = (staleness + v + 1) * batch - (accepted + running)
 
 Here ``accepted + running`` is every admitted episode not returned (dropped as stale at the trainer,
-which gives its slot back), and ``batch`` is global_batch_size, what one update consumes when data is
-plentiful (AReaL's consumer batch size). Synchronous mode is staleness 0: exactly one batch is
-admitted per version.
+which gives its slot back). Synchronous mode is staleness 0 with batch = global_batch_size: exactly
+one batch per version.
+
+Our trainer takes between trigger_batch_size and global_batch_size samples per update, depending on
+what is ready, so "batch" is not a constant. Written in terms of what has been consumed, the rule is
+
+    capacity = consumed + (staleness + 1) * batch - (accepted + running)
+
+which is AReaL's exactly when every update consumes ``batch``. ``Admission`` uses this form with
+``batch`` measured: the samples per update over the last few updates, clamped to [trigger, global].
+A trainer that is the bottleneck takes full batches and gets a pipeline deep enough to stay busy; a
+trainer that outpaces rollout takes small ones, versions advance faster, and admission tightens so a
+sample still reaches the trainer within ``staleness`` versions. Until the trainer has reported,
+``batch`` is global_batch_size, AReaL's consumer batch size (starting from the small end would be
+self-fulfilling: a shallow pipeline only ever fills small batches).
 
 The rule bounds staleness exactly only if samples finish in admission order; with long-tailed output
 lengths a long sample can be overtaken by later short ones and reach the trainer later than its slot.
 That is what the consumption check is for.
-
-A second, tighter bound keeps the trainer's queue short: an episode source holds new admissions while
-the episodes it has finished but the trainer has not yet consumed (``in_data_path``) already fill two
-updates (the one training now and the next). Past that, more finished samples only wait in the
-queue and grow old; holding them back costs no throughput while the trainer has its next batch, and
-keeps waiting time (and staleness drops of long samples) low when the trainer is the bottleneck.
-
-Consumption: a trajectory whose oldest token was generated more than ``staleness`` versions before
-the trainer's current version is dropped and counted, never trained on.
 """
 
 from __future__ import annotations
@@ -42,22 +45,53 @@ def is_over_stale(trainer_version: int, start_version: int, staleness: int) -> b
     return staleness_of(trainer_version, start_version) > staleness
 
 
+BATCH_WINDOW = 4
+"""Updates over which the trainer's batch size is averaged: long enough to smooth one odd update,
+short enough to follow a change of bottleneck within a few seconds."""
+
+
 class Admission:
     """Admission state of one episode source. With several sources (agent replicas) each takes an
     equal share of the batch, so together they never exceed the rule."""
 
-    def __init__(self, staleness: int, batch: int, sources: int = 1, source_index: int = 0):
+    def __init__(self, staleness: int, batch: int, sources: int = 1, source_index: int = 0,
+                 max_batch: int | None = None):
         if batch < 1 or sources < 1 or not 0 <= source_index < sources:
             raise ValueError("batch and sources must be >= 1 and source_index in range")
         self.staleness = staleness
-        # Integer shares that add up to batch exactly: the first (batch % sources) sources take one more.
-        self.batch_share = batch // sources + (1 if source_index < batch % sources else 0)
+        self.sources = sources
+        self.source_index = source_index
+        self.min_batch = batch
+        self.max_batch = max(batch, max_batch or batch)
+        self.batch_share = self._share(batch)
         self.admitted = 0  # accepted + running, as in the rule
         self.returned = 0
+        self.history: list[tuple[int, int]] = []  # (version, consumed) as the trainer reported them
 
-    def capacity(self, version: int, in_data_path: int = 0) -> int:
-        ready_room = 2 * self.batch_share - in_data_path
-        return max(0, min(capacity(version, self.staleness, self.batch_share, self.admitted), ready_room))
+    def _share(self, n: float) -> int:
+        # Integer shares that add up to n exactly: the first (n % sources) sources take one more.
+        n = int(n)
+        return n // self.sources + (1 if self.source_index < n % self.sources else 0)
+
+    def observe(self, version: int, consumed: int) -> None:
+        """The trainer's progress: ``consumed`` samples trained on by the time it reached ``version``."""
+        if self.history and version <= self.history[-1][0]:
+            return
+        self.history = [*self.history, (version, consumed)][-(BATCH_WINDOW + 1):]
+
+    @property
+    def batch(self) -> int:
+        """Samples per update: measured over the last updates, clamped to [trigger, global]."""
+        if len(self.history) < 2:
+            return self.max_batch
+        (v0, c0), (v1, c1) = self.history[0], self.history[-1]
+        return int(min(self.max_batch, max(self.min_batch, round((c1 - c0) / (v1 - v0)))))
+
+    def capacity(self, version: int) -> int:
+        if not self.history:
+            return capacity(version, self.staleness, self._share(self.max_batch), self.admitted)
+        consumed = self.history[-1][1]
+        return max(0, self._share(consumed + (self.staleness + 1) * self.batch) - self.admitted)
 
     def admit(self, n: int = 1) -> None:
         self.admitted += n

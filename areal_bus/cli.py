@@ -3,6 +3,7 @@
   areal-bus render TOPOLOGY [-o supervisord.conf]   write the supervisord.conf for a topology
   areal-bus validate TOPOLOGY                       check a topology, print the resolved config
   areal-bus node KIND --topology T [--replica N]    run one node (what supervisord runs)
+  areal-bus node trainer --topology T --resume      continue a run from its newest checkpoint
   areal-bus probe [--topology T] [--json]           attach to a running system, print throughput
   areal-bus plot --log-dir logs --metric reward     loss|reward|throughput|staleness curve as a PNG
   areal-bus run-end [--program trainer]             supervisord event listener: stop when training ends
@@ -48,6 +49,11 @@ def cmd_node(args) -> int:
     topo = _load(args.topology)
     # Node kinds are found by name: the library does not depend on any node module.
     module = importlib.import_module(f"nodes.{args.kind}")
+    if args.resume:
+        if args.kind != "trainer":
+            print("areal-bus: --resume is for the trainer", file=sys.stderr)
+            return 2
+        return module.run(topo, args.replica, resume=True)
     return module.run(topo, args.replica)
 
 
@@ -90,6 +96,8 @@ def main(argv=None) -> int:
     n.add_argument("kind", choices=NODE_KINDS)
     n.add_argument("--topology", default=DEFAULT_TOPOLOGY)
     n.add_argument("--replica", type=int, default=0)
+    n.add_argument("--resume", action="store_true",
+                   help="trainer: continue from the newest checkpoint under log_dir/checkpoints")
     n.set_defaults(fn=cmd_node)
     pr = sub.add_parser("probe", help="attach to a running system and report throughput per node")
     pr.add_argument("--topology", default=DEFAULT_TOPOLOGY)

@@ -25,6 +25,7 @@ import numpy as np
 TOPIC_HEARTBEAT = b"hb"
 TOPIC_VERSION = b"ver"
 TOPIC_VERSION_ACK = b"vack"
+TOPIC_VERSION_COMMITTED = b"vcom"
 TOPIC_TRAJ_ACK = b"ack"
 TOPIC_EVENT = b"evt"
 TOPIC_RUN = b"run"
@@ -205,6 +206,16 @@ class VersionAck:
     node_id: str
     version: int
     switch_seconds: float = 0.0
+
+
+@message("vcom")
+@dataclass(slots=True)
+class VersionCommitted:
+    """weights -> trainer (topic ``vcom``). Every live rollout worker serves ``version``: the buffers
+    of older versions may be overwritten."""
+
+    TAG: ClassVar[str]
+    version: int
 
 
 @message("ack")

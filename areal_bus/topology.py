@@ -51,10 +51,13 @@ class LoggingConfig(_Strict):
 
 class AgentConfig(_Strict):
     gateway_config: str | None = Field(None, description="Router YAML for the gateway (gateway issue); unused by sim.")
-    framework: Literal["sim"] = Field("sim", description="What plays episodes. 'sim': synthetic prompts.")
+    framework: Literal["sim", "guess"] = Field("sim", description="What plays episodes. 'sim': synthetic "
+                                               "prompts for the simulated engines; 'guess': the built-in "
+                                               "guess-the-number game (multi-turn, higher/lower feedback).")
     max_turns: int = Field(1, ge=1, le=1000, description="Turns per episode.")
     reward_source: Literal["rule", "passthrough"] = Field(
         "rule", description="'rule': the task's verifier scores each trajectory; 'passthrough': keep the agent's reward.")
+    task_size: int = Field(16, ge=2, le=1_000_000, description="guess: the secret is in 1..task_size.")
     prompt_len: int = Field(128, ge=1, le=1_000_000, description="Prompt tokens per simulated episode.")
     group_size: int = Field(1, ge=1, le=1024, description="Samples per task instance (GRPO group).")
     seed: int = Field(0, description="Seed for simulated prompts and rewards.")
@@ -74,9 +77,25 @@ class LengthDistribution(_Strict):
         return self
 
 
+class ModelSpec(_Strict):
+    path: str = Field("models/tiny-guess", description="Local Hugging Face checkpoint (Qwen2 or Llama family: "
+                      "config.json, *.safetensors, tokenizer files). Relative to the supervisord.conf's folder.")
+    warmstart: bool = Field(True, description="If path holds no model, build the project's tiny model there "
+                            "first (areal_bus.warmstart: a tokenizer, synthetic demonstrations and a short SFT).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype for "
+                                                             "training and generation.")
+    device: str = Field("cpu", description="torch device for the rollout and trainer engines ('cpu', 'cuda', 'cuda:1').")
+    seed: int = Field(0, description="Seed for sampling and initialisation.")
+    threads: int = Field(1, ge=1, le=256, description="torch CPU threads per node process. Several nodes share "
+                         "the cores: one thread each avoids oversubscription on small machines.")
+
+
 class RolloutEngineConfig(_Strict):
-    kind: Literal["sim"] = Field("sim", description="Generation engine. 'sim' models decode time; real engines "
-                                 "arrive with the RL issue.")
+    kind: Literal["sim", "torch"] = Field("sim", description="Generation engine. 'sim' models decode time; "
+                                          "'torch' generates with the model at model.path (KV cache, continuous batching).")
+    max_len: int = Field(1024, ge=8, le=1_000_000, description="torch: KV-cache length per sequence (prompt + output).")
+    temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature for training episodes.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass for training episodes.")
     max_batch: int = Field(16, ge=1, le=4096, description="Sequences one worker decodes at once (continuous batching).")
     decode_step_s: float = Field(0.001, ge=0, le=10, description="sim: time of one decode step at batch 1. "
                                  "Memory-bound GPU decode is nearly flat in batch size.")
@@ -86,7 +105,20 @@ class RolloutEngineConfig(_Strict):
 
 
 class TrainerEngineConfig(_Strict):
-    kind: Literal["sim"] = Field("sim", description="Training engine. 'sim' models time per token.")
+    kind: Literal["sim", "torch"] = Field("sim", description="Training engine. 'sim' models time per token; "
+                                          "'torch' trains model.path with the decoupled PPO objective.")
+    eps_clip: float = Field(0.2, gt=0, le=1, description="PPO clip range (low side, and high side unless eps_clip_high).")
+    eps_clip_high: float | None = Field(None, gt=0, le=10, description="PPO clip range on the high side (DAPO's clip-higher).")
+    behav_imp_weight_cap: float | None = Field(5.0, gt=1, description="Tokens whose behaviour importance weight "
+                                               "exceeds this are left out of the loss (None: no cap).")
+    adv_std_normalize: bool = Field(True, description="GRPO: divide advantages by the group's reward std.")
+    adv_leave_one_out: bool = Field(False, description="GRPO: baseline is the mean of the other samples.")
+    kl_coef: float = Field(0.0, ge=0, le=10, description="KL penalty against the initial policy; 0 = off.")
+    ppo_epochs: int = Field(1, ge=1, le=16, description="Passes over each batch per update.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
+    eval_interval: int = Field(0, ge=0, description="Evaluate greedily on the held-out set every this many "
+                               "updates (0 = never).")
+    eval_episodes: int = Field(64, ge=1, le=100_000, description="Held-out task instances per evaluation.")
     time_per_token_s: float = Field(2e-5, ge=0, le=1, description="sim: training time per token on one train worker "
                                     "(forward, backward, optimizer, proximal recompute), divided across train_workers.")
     update_overhead_s: float = Field(0.01, ge=0, le=60, description="sim: fixed cost per update (weight export, sync).")
@@ -115,16 +147,17 @@ class Topology(_Strict):
     queue_max_size: int = Field(256, ge=1, le=1_000_000, description="Trajectory queue capacity; past it producers "
                                 "see backpressure (high-water marks and bounded node queues), never silent loss.")
     trigger_batch_size: int = Field(16, ge=1, le=1_000_000, description="Ready samples that trigger one update "
-                                    "(async mode; suggested start global_batch_size / 2).")
+                                    "(async mode; suggested start global_batch_size / 2), and the batch of the "
+                                    "staleness admission rule.")
     global_batch_size: int = Field(32, ge=1, le=1_000_000, description="Most samples one update consumes "
-                                   "(exactly what it consumes in synchronous mode), and the batch of the "
-                                   "staleness admission rule.")
+                                   "(exactly what it consumes in synchronous mode).")
     mini_batch_size: int = Field(8, ge=1, le=1_000_000, description="PPO mini-batch within an update.")
     learning_rate: float = Field(1e-5, gt=0, le=1, description="Optimizer learning rate.")
     max_steps: int = Field(20, ge=1, le=10_000_000, description="Updates before the run ends by itself.")
     parallelism: Parallelism = Field(default_factory=Parallelism)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    model: ModelSpec = Field(default_factory=ModelSpec)
     rollout_engine: RolloutEngineConfig = Field(default_factory=RolloutEngineConfig)
     trainer_engine: TrainerEngineConfig = Field(default_factory=TrainerEngineConfig)
     endpoints: Endpoints = Field(default_factory=Endpoints)
@@ -147,6 +180,10 @@ class Topology(_Strict):
                 and "rollout_workers" in self.model_fields_set:
             raise ValueError(f"nodes.rollout.replicas ({rollout.replicas}) and rollout_workers "
                              f"({self.rollout_workers}) disagree; set one of them")
+        if (self.rollout_engine.kind == "torch") != (self.trainer_engine.kind == "torch"):
+            raise ValueError("rollout_engine.kind and trainer_engine.kind must both be 'sim' or both 'torch'")
+        if (self.agent.framework == "sim") != (self.rollout_engine.kind == "sim"):
+            raise ValueError("agent.framework 'sim' goes with the sim engines, a real task with the torch engines")
         for kind in ("bus", "trainer", "weights"):
             spec = self.nodes.get(kind)
             if spec is not None and spec.replicas not in (None, 1):
@@ -191,6 +228,14 @@ class Topology(_Strict):
         # ipc paths are limited to ~107 bytes by the kernel, so not under a deep checkout.
         digest = hashlib.sha1(str(self.log_dir(base).resolve()).encode()).hexdigest()[:10]
         return Path("/tmp") / f"areal_bus-{digest}"
+
+    def shm_name(self, base: Path | None = None) -> str:
+        """Name of this run's shared-memory weight buffers (unique per log_dir, like ipc_dir)."""
+        return self.ipc_dir(base).name
+
+    def model_path(self, base: Path | None = None) -> Path:
+        p = Path(self.model.path)
+        return p if p.is_absolute() else (base or Path.cwd()) / p
 
     def endpoint(self, channel: str, replica: int = 0, base: Path | None = None) -> str:
         """Address of ``channel`` (as bound by its owner; connectors use the same string)."""

@@ -65,7 +65,8 @@ class EpisodeSource:
         self.topo = topo
         self.replica = replica
         self.driver = driver or SimDriver(topo)
-        self.admission = Admission(topo.effective_staleness, topo.global_batch_size, replicas, replica)
+        self.admission = Admission(topo.effective_staleness, topo.effective_trigger, replicas, replica,
+                                   max_batch=topo.global_batch_size)
         self.rng = np.random.default_rng(topo.agent.seed * 1000 + replica)
         self.prefix = f"a{replica}-{uuid.uuid4().hex[:8]}"
         self.count = 0
@@ -82,7 +83,7 @@ class EpisodeSource:
         if self.finished or self.to_send:
             return 0
         group = self.topo.agent.group_size
-        n = self.admission.capacity(self.version, len(self.emitted))
+        n = self.admission.capacity(self.version)
         n -= n % group  # a GRPO group is admitted whole or not at all
         for _ in range(n // group):
             state, prompt, meta = self.driver.start(self.rng, self.count)
@@ -105,7 +106,8 @@ class EpisodeSource:
         ep.request_id = rid
         req = m.GenerateRequest(
             request_id=rid, episode_id=eid, ticket=ep.record.ticket, min_version=self.version,
-            max_tokens=self.driver.max_tokens, temperature=1.0, prompt_ids=ep.record.next_prompt(),
+            max_tokens=self.driver.max_tokens, temperature=self.topo.rollout_engine.temperature,
+            top_p=self.topo.rollout_engine.top_p, prompt_ids=ep.record.next_prompt(),
             reply_to=self.replica, group_id=ep.record.group_id)
         self.requests[rid] = _Req(req, now)
         self.to_send.append(req)
@@ -156,10 +158,12 @@ class EpisodeSource:
         return again
 
 
-def make_driver(topo):
+def make_driver(topo, base=None):
     if topo.agent.framework == "sim":
         return SimDriver(topo)
-    raise ValueError(f"unknown agent framework {topo.agent.framework!r}")
+    from areal_bus.tasks.runner import GuessDriver, load_tokenizer
+
+    return GuessDriver(load_tokenizer(topo.model_path(base)), n=topo.agent.task_size, max_turns=topo.agent.max_turns)
 
 
 def downstream(topo, shell) -> list[str]:
@@ -178,7 +182,7 @@ def run(topo, replica: int = 0, base=None) -> int:
     out = open_socket(shell.ctx, zmq.PUSH, downstream(topo, shell), bind=False, hwm=topo.queue_max_size)
     sender = ReliableSender(out, shell.encoder, shell.metrics, "out", capacity=topo.queue_max_size)
     inbox = Receiver(replies, shell.metrics, shell.log)
-    src = EpisodeSource(topo, replica, topo.replicas("agent"), make_driver(topo))
+    src = EpisodeSource(topo, replica, topo.replicas("agent"), make_driver(topo, base))
     consumer_kind = "reward" if topo.replicas("reward") else "trainer"
     shell.announce_start(mode="async" if topo.is_async else "sync", staleness=topo.effective_staleness,
                          batch=src.admission.batch_share, framework=topo.agent.framework)
@@ -205,9 +209,11 @@ def run(topo, replica: int = 0, base=None) -> int:
                         shell.log.warning("reissued", requests=n, dead_worker=msg.node_id)
                 elif isinstance(msg, m.Event) and msg.name == "peer_restarted" and msg.fields.get("kind") == consumer_kind:
                     shell.log.warning("resent", trajectories=sender.resend(), reason=f"{msg.node_id} restarted")
-                elif isinstance(msg, m.RunState) and msg.finished and not src.finished:
-                    src.finished = True
-                    shell.log.info("run_finished", version=msg.version, episodes=src.count)
+                elif isinstance(msg, m.RunState):
+                    src.admission.observe(msg.version, msg.consumed)
+                    if msg.finished and not src.finished:
+                        src.finished = True
+                        shell.log.info("run_finished", version=msg.version, episodes=src.count)
             for _, comp in inbox.drain():
                 if not isinstance(comp, m.Completion):
                     inbox.drop("wrong_type", type(comp).__name__)
@@ -235,7 +241,8 @@ def run(topo, replica: int = 0, base=None) -> int:
                 t_resend = now
             shell.metrics.gauge("queue.unsent", len(src.to_send))
             shell.metrics.gauge("running", len(src.requests))
-            shell.metrics.gauge("capacity", src.admission.capacity(src.version, len(src.emitted)))
+            shell.metrics.gauge("capacity", src.admission.capacity(src.version))
+            shell.metrics.gauge("admission_batch", src.admission.batch)
             poller.poll(POLL_MS if not (src.to_send or sender.pending) else 2)
     finally:
         shell.close()

@@ -22,17 +22,31 @@ from areal_bus.node import NodeShell
 
 
 class Scorer:
-    """Sets ``traj.reward`` by the configured source. Holds no sockets."""
+    """Sets ``traj.reward`` by the configured source. Holds no sockets. ``verifier`` scores a real
+    task's trajectory (replaying its policy turns); without one, the simulated task's score is used."""
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, verifier=None):
         self.source = source
+        self.verifier = verifier
 
     def score(self, traj: m.Trajectory) -> m.Trajectory:
         if traj.reward is not None or self.source == "passthrough":
             return traj
+        if self.verifier is not None:
+            traj.reward = float(self.verifier(traj))
+            return traj
         digest = hashlib.blake2b(traj.episode_id.encode(), digest_size=4).digest()
         traj.reward = int.from_bytes(digest, "little") / 0xFFFFFFFF
         return traj
+
+
+def make_scorer(topo, base=None) -> Scorer:
+    if topo.agent.framework == "sim":
+        return Scorer(topo.agent.reward_source)
+    from areal_bus.tasks.runner import GuessDriver, load_tokenizer, verify
+
+    driver = GuessDriver(load_tokenizer(topo.model_path(base)), n=topo.agent.task_size, max_turns=topo.agent.max_turns)
+    return Scorer(topo.agent.reward_source, lambda traj: verify(driver, traj))
 
 
 def run(topo, replica: int = 0, base=None) -> int:
@@ -42,7 +56,7 @@ def run(topo, replica: int = 0, base=None) -> int:
     push = open_socket(shell.ctx, zmq.PUSH, shell.endpoint("train"), bind=False, hwm=topo.queue_max_size)
     sender = ReliableSender(push, shell.encoder, shell.metrics, "out", capacity=topo.queue_max_size)
     inbox = Receiver(pull, shell.metrics, shell.log)
-    scorer = Scorer(topo.agent.reward_source)
+    scorer = make_scorer(topo, base)
     shell.announce_start(reward_source=topo.agent.reward_source)
     shell.start_heartbeat()
     poller = zmq.Poller()
@@ -65,7 +79,14 @@ def run(topo, replica: int = 0, base=None) -> int:
                 if not isinstance(traj, m.Trajectory):
                     inbox.drop("wrong_type", type(traj).__name__)
                     continue
-                sender.offer(traj.traj_id, scorer.score(traj), env.versions)
+                try:
+                    traj = scorer.score(traj)
+                except ValueError as err:
+                    # Tolerated: a trajectory the verifier cannot replay scores 0 (dropping it would
+                    # only make its producer resend it); counted and logged like a bad frame.
+                    inbox.drop("unverifiable", str(err))
+                    traj.reward = 0.0
+                sender.offer(traj.traj_id, traj, env.versions)
                 shell.metrics.inc("samples")
                 shell.metrics.inc("tokens", int(traj.output_ids.size))
             sender.flush()

@@ -23,10 +23,33 @@ from areal_bus.engines.sim import SimRolloutEngine
 from areal_bus.node import NodeShell
 
 
-def make_engine(topo, worker: str):
-    if topo.rollout_engine.kind == "sim":
-        return SimRolloutEngine(topo.rollout_engine, worker)
-    raise ValueError(f"unknown rollout engine {topo.rollout_engine.kind!r}")
+def make_engine(topo, worker: str, replica: int, base=None):
+    """The configured engine, and a function to let go of the weight buffers up to a version."""
+    cfg = topo.rollout_engine
+    if cfg.kind == "sim":
+        return SimRolloutEngine(cfg, worker), lambda version: None
+    from areal_bus.engines.torch_engine import TorchRolloutEngine
+    from areal_bus.weights_shm import ShmWeightReader
+
+    path = topo.model_path(base)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"model.path {path} holds no checkpoint (config.json); build the default with "
+                                f"`python scripts/warmstart.py --out {topo.model.path}` or point model.path at one")
+    import torch
+
+    torch.set_num_threads(topo.model.threads)
+    reader = ShmWeightReader(topo.shm_name(base))
+    engine = TorchRolloutEngine(path, max_batch=cfg.max_batch, max_len=cfg.max_len, device=topo.model.device,
+                                dtype=topo.model.dtype, seed=topo.model.seed * 1000 + replica, worker=worker,
+                                weight_loader=reader.open)
+
+    def release_upto(version: int) -> None:
+        # The engine copies weights into its own parameters at the swap: older buffers are free now.
+        for held in reader.held:
+            if held <= version:
+                reader.release(held)
+
+    return engine, release_upto
 
 
 class StepLog:
@@ -36,7 +59,7 @@ class StepLog:
 
     def __init__(self, topo):
         self.every = max(1, topo.effective_trigger // max(1, topo.replicas("rollout")))
-        self.batch = topo.global_batch_size  # admission slots per policy version
+        self.batch = topo.effective_trigger  # admission slots per policy version
         self.generated = self.tokens = 0
         self.step = 0
 
@@ -63,7 +86,7 @@ def run(topo, replica: int = 0, base=None) -> int:
                               track_acks=False)
                for i in range(n_agents)]
     inbox = Receiver(work, shell.metrics, shell.log)
-    engine = make_engine(topo, shell.node_id)
+    engine, release_upto = make_engine(topo, shell.node_id, replica, base)
     steplog = StepLog(topo)
     waiting: list[m.GenerateRequest] = []  # requests whose min_version we do not serve yet
     reply_of: dict[str, int] = {}  # request id -> agent replica that asked
@@ -80,7 +103,11 @@ def run(topo, replica: int = 0, base=None) -> int:
                     announced = msg
             # Safe point: between two decode steps.
             if announced is not None and announced.version > engine.version:
-                took = engine.swap_weights(announced.version, announced.location)
+                if announced.location:
+                    took = engine.swap_weights(announced.version, announced.location)
+                    release_upto(engine.version)
+                else:  # nothing to load (simulated weights, or the checkpoint the worker started from)
+                    engine.version, took = announced.version, 0.0
                 shell.version = engine.version
                 shell.publish(m.TOPIC_VERSION_ACK, m.VersionAck(node_id=shell.node_id, version=engine.version,
                                                                switch_seconds=took))

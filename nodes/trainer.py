@@ -20,6 +20,7 @@ import collections
 import concurrent.futures
 import json
 import time
+from pathlib import Path
 
 import zmq
 
@@ -78,28 +79,83 @@ class TrainQueue:
         return batch
 
 
-def make_engine(topo):
+def make_engine(topo, base=None, model_path=None):
+    """(engine, evaluator or None). The evaluator plays the held-out games greedily on the trainer's
+    current weights; it runs on the compute thread between updates."""
     if topo.trainer_engine.kind == "sim":
-        return SimTrainEngine(topo.trainer_engine, topo.train_workers)
-    raise ValueError(f"unknown trainer engine {topo.trainer_engine.kind!r}")
+        return SimTrainEngine(topo.trainer_engine, topo.train_workers), None
+    from areal_bus.engines.torch_engine import TorchRolloutEngine
+    from areal_bus.engines.torch_train import TorchTrainEngine
+    from areal_bus.tasks.runner import GuessDriver, evaluate, load_tokenizer
+    from areal_bus.weights_shm import ShmWeightWriter
+
+    path = model_path or topo.model_path(base)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"model.path {path} holds no checkpoint (config.json); build the default with "
+                                f"`python scripts/warmstart.py --out {topo.model.path}` or point model.path at one")
+    import torch
+
+    torch.set_num_threads(topo.model.threads)
+    writer = None
+
+    def publish(state_dict, version):
+        nonlocal writer
+        if writer is None:
+            writer = ShmWeightWriter(topo.shm_name(base), state_dict)
+        loc = writer.write(state_dict, version)
+        return loc, writer.nbytes
+
+    engine = TorchTrainEngine(topo, path, publish=publish)
+    engine.release = lambda version: writer is not None and writer.mark_released(version)
+    if topo.trainer_engine.eval_interval <= 0:
+        return engine, None
+    driver = GuessDriver(load_tokenizer(path), n=topo.agent.task_size, max_turns=topo.agent.max_turns)
+    evaluator_engine = TorchRolloutEngine(path, max_batch=min(64, topo.trainer_engine.eval_episodes),
+                                          max_len=topo.rollout_engine.max_len, device=topo.model.device,
+                                          dtype=topo.model.dtype, worker="eval",
+                                          weight_loader=lambda _: engine.state_dict())
+
+    def evaluator(version: int) -> dict:
+        evaluator_engine.swap_weights(version, "trainer")
+        return evaluate(evaluator_engine, driver, k=topo.trainer_engine.eval_episodes)
+
+    return engine, evaluator
 
 
-def run(topo, replica: int = 0, base=None) -> int:
-    shell = NodeShell(topo, "trainer", replica, base=base, watch=("weights",), topics=(m.TOPIC_VERSION,))
+def resume_state(ckpt_dir: Path) -> tuple[Path | None, int, list[str]]:
+    """(checkpoint folder, version, consumed ids) of the newest complete checkpoint, or a fresh start."""
+    done = [p for p in ckpt_dir.glob("step_*") if (p / "trainer_state.json").exists()] if ckpt_dir.exists() else []
+    if not done:
+        return None, 0, []
+    folder = max(done, key=lambda p: int(p.name.split("_")[1]))
+    state = json.loads((folder / "trainer_state.json").read_text())
+    return folder, int(state["version"]), list(state["consumed"])
+
+
+def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
+    shell = NodeShell(topo, "trainer", replica, base=base, watch=("weights",),
+                      topics=(m.TOPIC_VERSION, m.TOPIC_VERSION_COMMITTED))
     shell.install_signal_handlers()
     pull = open_socket(shell.ctx, zmq.PULL, shell.endpoint("train"), bind=True, hwm=topo.queue_max_size)
     to_weights = open_socket(shell.ctx, zmq.PUSH, shell.endpoint("weights"), bind=False, hwm=16)
     inbox = Receiver(pull, shell.metrics, shell.log)
     queue = TrainQueue(topo.queue_max_size, topo.effective_trigger, topo.global_batch_size,
                        topo.effective_staleness, exact=not topo.is_async)
-    engine = make_engine(topo)
+    ckpt_dir = shell.log_dir / "checkpoints"
+    folder, version, consumed = resume_state(ckpt_dir) if resume else (None, 0, [])
+    consumed_ids = collections.OrderedDict.fromkeys(consumed)
+    for tid in consumed:
+        queue.seen[tid] = None
+    engine, evaluator = make_engine(topo, base, model_path=folder if folder and topo.trainer_engine.kind == "torch"
+                                    else None)
+    if folder is not None and topo.trainer_engine.kind == "torch":
+        engine.load_optimizer(folder)
+    shell.version = version
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compute")
-    version = 0
-    steps_path = shell.log_dir / "train_steps.jsonl"
-    steps_file = open(steps_path, "a", buffering=1)
+    steps_file = open(shell.log_dir / "train_steps.jsonl", "a", buffering=1)
     shell.announce_start(engine=topo.trainer_engine.kind, mode="async" if topo.is_async else "sync",
                          trigger=queue.trigger, batch=queue.max_batch, staleness=queue.staleness,
-                         max_steps=topo.max_steps)
+                         max_steps=topo.max_steps, resumed_from=str(folder) if folder else "-", version=version)
     shell.start_heartbeat()
     poller = zmq.Poller()
     poller.register(shell.sub, zmq.POLLIN)
@@ -107,15 +163,57 @@ def run(topo, replica: int = 0, base=None) -> int:
     job = None  # (future, batch, started)
     idle_since = time.monotonic()
     window = {"t": time.monotonic(), "samples": 0, "tokens": 0}
+    committed = -1
 
     def publish_state(finished=False):
         shell.publish(m.TOPIC_RUN, m.RunState(version=version, max_steps=topo.max_steps, finished=finished,
                                               consumed=int(shell.metrics.counters["samples"])))
 
+    def drain_hub():
+        nonlocal committed
+        for _, msg in shell.drain_hub():
+            if isinstance(msg, m.VersionCommitted) and msg.version > committed:
+                committed = msg.version
+                if hasattr(engine, "release"):
+                    for v in range(max(0, msg.version - 2), msg.version):
+                        engine.release(v)
+
+    def export_weights(v: int) -> None:
+        """Hand version v to the broadcaster. A shared-memory buffer is reused only once every
+        rollout worker has left the version in it: wait (hub still served) until they have."""
+        from_busy = time.monotonic()
+        while True:
+            try:
+                location, nbytes = engine.export_weights(v)
+                break
+            except Exception as err:  # BufferBusy only; anything else propagates
+                if type(err).__name__ != "BufferBusy" or shell.stopping.is_set():
+                    raise
+                if time.monotonic() - from_busy > 10:
+                    shell.log.warning("waiting_for_readers", version=v, committed=committed)
+                    from_busy = time.monotonic()
+                poller.poll(5)
+                drain_hub()
+        to_weights.send_multipart(shell.encoder.encode(
+            m.WeightsReady(version=v, location=location, nbytes=nbytes), (v,)))
+
+    def work(batch, v, wait, hist):
+        stats = engine.train(batch, v) if batch else {}
+        stats["_wait_s"] = wait
+        stats["_staleness"] = {str(k): c for k, c in sorted(hist.items())}
+        return stats
+
     try:
-        publish_state()
-        while not shell.stopping.is_set():
-            shell.drain_hub()
+        if version > 0 or topo.trainer_engine.kind == "torch":
+            export_weights(version)  # a resumed run serves its checkpoint; a fresh one its start weights
+        if evaluator is not None and version == 0:
+            ev = evaluator(0)
+            shell.log.info("eval", step=0, **{k: round(v, 4) for k, v in ev.items()})
+            steps_file.write(json.dumps({"step": -1, "t_end": time.time(), "train_s": 0.0, "wait_s": 0.0,
+                                         "samples": 0, "tokens": 0, "staleness": {}, **ev}) + "\n")
+        publish_state(finished=version >= topo.max_steps)
+        while not shell.stopping.is_set() and version < topo.max_steps:
+            drain_hub()
             while not queue.full:
                 got = inbox.recv()
                 if got is None:
@@ -136,9 +234,8 @@ def run(topo, replica: int = 0, base=None) -> int:
                 took = time.monotonic() - started
                 version += 1
                 shell.version = version
-                location, nbytes = engine.export_weights(version)
-                to_weights.send_multipart(shell.encoder.encode(
-                    m.WeightsReady(version=version, location=location, nbytes=nbytes, step_seconds=took), (version,)))
+                export_weights(version)
+                consumed_ids.update((t.traj_id, None) for t in batch)
                 shell.publish(m.TOPIC_TRAJ_ACK, m.TrajAck(trainer_version=version, consumed=[t.traj_id for t in batch],
                                                           stale=[], duplicate=[]))
                 tokens = sum(t.num_tokens for t in batch)
@@ -148,8 +245,11 @@ def run(topo, replica: int = 0, base=None) -> int:
                 shell.metrics.inc("steps")
                 window["samples"] += len(batch)
                 window["tokens"] += tokens
-                shell.log.info("step", step=version - 1, updated=len(batch), loss=round(stats["loss"], 4),
-                               reward=round(stats.get("reward", 0.0), 4), train_s=round(took, 3))
+                line = {"step": version - 1, "updated": len(batch), "loss": round(stats.get("loss", 0.0), 4),
+                        "reward": round(stats.get("reward", 0.0), 4), "train_s": round(took, 3)}
+                if "eval_reward" in stats:
+                    line["eval_reward"] = round(stats["eval_reward"], 4)
+                shell.log.info("step", **line)
                 steps_file.write(json.dumps({"step": version - 1, "t_end": time.time(), "train_s": took,
                                              "wait_s": stats.get("_wait_s", 0.0), "samples": len(batch),
                                              "tokens": tokens, "stale_dropped": queue.stale,
@@ -164,14 +264,11 @@ def run(topo, replica: int = 0, base=None) -> int:
                     window.update(t=time.monotonic(), samples=0, tokens=0)
                 publish_state(finished=version >= topo.max_steps)
                 idle_since = time.monotonic()
-                if version >= topo.max_steps:
-                    shell.log.info("run_finished", steps=version, samples=int(shell.metrics.counters["samples"]),
-                                   stale_dropped=queue.stale, duplicates=queue.duplicates)
-                    break
-            if job is None:
+            if job is None and version < topo.max_steps:
                 stale = queue.drop_stale(version)
                 if stale:
                     shell.metrics.inc("stale_dropped", len(stale))
+                    consumed_ids.update((t.traj_id, None) for t in stale)
                     shell.publish(m.TOPIC_TRAJ_ACK, m.TrajAck(trainer_version=version, consumed=[],
                                                               stale=[t.traj_id for t in stale], duplicate=[]))
                     shell.log.warning("stale_dropped", count=len(stale), version=version)
@@ -183,16 +280,25 @@ def run(topo, replica: int = 0, base=None) -> int:
                     wait = time.monotonic() - idle_since
                     shell.metrics.inc("idle_seconds", wait)
                     v = version
+                    save = topo.logging.save_interval and (v + 1) % topo.logging.save_interval == 0
+                    evaluate_now = evaluator is not None and (v + 1) % topo.trainer_engine.eval_interval == 0
+                    ids_then = list(consumed_ids) + [t.traj_id for t in batch]
 
-                    def work(batch=batch, v=v, wait=wait, hist=hist):
-                        stats = engine.train(batch, v)
-                        stats["_wait_s"] = wait
-                        stats["_staleness"] = {str(k): c for k, c in sorted(hist.items())}
+                    def step(batch=batch, v=v, wait=wait, hist=hist, save=save, evaluate_now=evaluate_now,
+                             ids_then=ids_then):
+                        stats = work(batch, v, wait, hist)
+                        if evaluate_now:
+                            stats.update(evaluator(v + 1))
+                        if save:
+                            engine.save_checkpoint(ckpt_dir / f"step_{v + 1}", v + 1, ids_then)
                         return stats
 
-                    job = (pool.submit(work), batch, time.monotonic())
+                    job = (pool.submit(step), batch, time.monotonic())
             shell.metrics.gauge("busy", 1.0 if job is not None else 0.0)
             poller.poll(POLL_MS if job is None else 5)
+        if version >= topo.max_steps:
+            shell.log.info("run_finished", steps=version, samples=int(shell.metrics.counters["samples"]),
+                           stale_dropped=queue.stale, duplicates=queue.duplicates)
     finally:
         if job is not None:
             job[0].cancel()

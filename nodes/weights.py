@@ -39,9 +39,10 @@ class VersionBook:
         self.serving[node_id] = max(version, self.serving.get(node_id, -1))
 
     def newly_committed(self, live_workers: list[str]) -> int | None:
-        """The current version, once, when every live worker serves it."""
+        """The current version, once, when every live worker serves it (at once if none is alive:
+        nobody holds an older buffer, and a worker that joins maps the current one)."""
         v = self.current.version
-        if v <= self.committed or not live_workers:
+        if v <= self.committed:
             return None
         if all(self.serving.get(w, -1) >= v for w in live_workers):
             self.committed = v
@@ -84,6 +85,7 @@ def run(topo, replica: int = 0, base=None) -> int:
             if v is not None:
                 lag = time.time() - book.current.published_at
                 shell.metrics.inc("versions_committed")
+                shell.publish(m.TOPIC_VERSION_COMMITTED, m.VersionCommitted(version=v), (v,))
                 shell.metrics.gauge("commit_latency_s", lag)
                 shell.log.info("committed", version=v, serving=f"{len(workers)}/{len(workers)}",
                                latency_ms=round(lag * 1000, 1))

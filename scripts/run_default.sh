@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
-# The main job: install what is needed, then run the embedded default topology under supervisord
-# until it ends by itself after max_steps. Logs land in logs/ (train.log, rollout.log, ...).
+# The main job: install what is needed, build the warm-start model if it is not there yet, run the
+# embedded default topology under supervisord until it ends by itself after max_steps, then plot.
+# Logs land in logs/ (train.log, rollout.log, ...); the curves in logs/reward.png and logs/loss.png.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+.venv/bin/python scripts/warmstart.py --out models/tiny-guess     # no-op when already built
+if [ -e logs/train_steps.jsonl ]; then                              # a fresh run: keep the last one aside
+    rm -rf logs.previous && mkdir logs.previous && mv logs/* logs.previous/ 2>/dev/null || true
+fi
 mkdir -p logs/supervisor
 .venv/bin/supervisord -c supervisord.conf
-echo "run finished; logs in $(pwd)/logs"
-tail -n 3 logs/train.log
+.venv/bin/areal-bus plot --log-dir logs --metric reward --output logs/reward.png
+.venv/bin/areal-bus plot --log-dir logs --metric loss --output logs/loss.png
+echo "run finished; logs and plots in $(pwd)/logs"
+grep -E "eval|run_finished" logs/train.log | tail -n 4

@@ -11,6 +11,7 @@ rather than bare sleeps, so Python overhead is absorbed into the modelled step i
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import dataclass
 
@@ -47,12 +48,22 @@ class SimRolloutEngine:
         self.cfg = cfg
         self.worker = worker
         self.vocab_size = vocab_size
-        self.version = 0
+        self._version = 0
         self.steps = 0
         self._running: dict[str, _Seq] = {}
         self._finish_at: dict[int, list[str]] = {}  # step number -> request ids finishing there
         self._version_changes: list[tuple[int, int]] = [(0, 0)]  # (first step, version)
         self._deadline = time.perf_counter()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @version.setter
+    def version(self, version: int) -> None:
+        """Tokens from the next step on carry ``version``."""
+        self._version = version
+        self._version_changes.append((self.steps, version))
 
     @property
     def free_slots(self) -> int:
@@ -87,7 +98,6 @@ class SimRolloutEngine:
         if self.cfg.swap_s:
             time.sleep(self.cfg.swap_s)
         self.version = version
-        self._version_changes.append((self.steps, version))
         return time.perf_counter() - t0
 
     def _token_versions(self, start: int, length: int) -> np.ndarray:
@@ -135,3 +145,9 @@ class SimTrainEngine:
 
     def export_weights(self, version: int) -> tuple[str, int]:
         return "", 0
+
+    def save_checkpoint(self, folder, version: int, consumed: list[str]):
+        """Simulated weights have nothing to save but the trainer state that resuming needs."""
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "trainer_state.json").write_text(json.dumps({"version": version, "consumed": consumed}))
+        return folder

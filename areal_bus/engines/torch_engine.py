@@ -1,0 +1,259 @@
+"""A real rollout engine in plain torch: static KV cache, continuous batching, version-tagged tokens.
+
+``TorchRolloutEngine`` implements ``RolloutEngine`` (see ``base``) over ``areal_bus.modeling``. It is
+small enough to read in one sitting and exact enough to test against a full forward pass: the
+reference for correctness that runs anywhere torch does (a vLLM engine is the one for throughput).
+
+One ``step()``:
+  1. admits pending requests into free cache slots;
+  2. feeds every running sequence the tokens whose keys/values are not cached yet: whole prompts for
+     newcomers (batched prefill, right-padded, grouped by length under ``max_prefill_tokens``), one
+     token for the rest (ONE batched decode forward, each row attending to its own slot up to its
+     own position);
+  3. samples one token per sequence from those logits, tags it with its log-probability and the
+     policy version in force, and returns the sequences that finished.
+So every running sequence gains exactly one token per step, prefill or decode alike.
+
+The recorded log-probability is what ``modeling.logprobs_of`` computes: log-softmax of float32 logits divided by
+the request's temperature (temperature 0 = greedy scales by 1), taken BEFORE top-p truncation; the
+trainer recomputes the same quantity with ``modeling.token_logprobs``.
+
+``swap_weights`` runs between steps (the safe point): parameters are overwritten in place, running
+sequences keep their cached keys/values (computed by the old weights) and carry on; every token
+sampled afterwards is tagged with the new version. ``recompute_kv_on_swap=True`` instead re-prefills
+running sequences under the new weights (as an engine that flushes its cache on update would).
+
+Quick check::
+
+    python -c "
+    import numpy as np; from areal_bus.modeling import make_random_model, TINY_QWEN2
+    from areal_bus.engines.torch_engine import TorchRolloutEngine; from areal_bus.messages import GenerateRequest
+    e = TorchRolloutEngine(make_random_model(TINY_QWEN2, 0, std=0.2), max_batch=2, max_len=64, eos_token_ids=[])
+    e.add_request(GenerateRequest('r0', 'e0', 0, 0, 8, 0.0, np.array([1, 5, 7], np.int32)))
+    while not (done := e.step()): pass
+    print(done[0].output_ids, done[0].logprobs)"
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from areal_bus.messages import Completion, GenerateRequest
+from areal_bus.modeling import (CausalLM, KVCache, as_dtype, check_state_dict, load_pretrained,
+                                load_safetensors, scaled_logits)
+
+
+@dataclass(slots=True)
+class _Seq:
+    req: GenerateRequest
+    tokens: list[int]  # prompt followed by the output so far
+    prompt_len: int
+    stop_ids: frozenset[int]
+    started_at: float
+    slot: int = -1
+    cached: int = 0  # leading tokens whose keys/values are in the slot's cache
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def n_out(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero every token outside the smallest set whose mass reaches ``top_p`` (per row); the most
+    likely token always stays. Not renormalised: ``torch.multinomial`` does not need it."""
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(-1) - sorted_p
+    # Rows with top_p >= 1 keep everything, even if rounding lets the cumulative sum pass 1.
+    limit = torch.where(top_p < 1, top_p, torch.full_like(top_p, float("inf")))
+    sorted_p = sorted_p.masked_fill(mass_before > limit[:, None], 0.0)
+    return torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+
+
+class TorchRolloutEngine:
+    """Continuous-batching generation over a ``CausalLM`` (a model object, or a checkpoint path).
+
+    ``eos_token_ids``: ids that end a sequence (None: the checkpoint's ``eos_token_id``; []: none).
+    ``weight_loader(location) -> state dict`` feeds ``swap_weights`` (default: safetensors at the
+    path ``location``, a file or a directory). ``max_prefill_tokens`` bounds one prefill forward's
+    padded size (rows x longest prompt); a longer prompt is prefilled alone. A model object passed in
+    is used, moved and updated in place, not copied.
+    """
+
+    def __init__(self, model: CausalLM | str | Path, max_batch: int = 16, max_len: int = 2048,
+                 device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
+                 seed: int = 0, eos_token_ids: list[int] | None = None, worker: str = "rollout",
+                 weight_loader: Callable[[str], dict[str, torch.Tensor]] | None = None,
+                 version: int = 0, recompute_kv_on_swap: bool = False, max_prefill_tokens: int = 8192):
+        self.device = torch.device(device)
+        dtype = as_dtype(dtype)
+        if isinstance(model, (str, Path)):
+            model = load_pretrained(model, self.device, dtype)
+        self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
+        self.cfg = model.cfg
+        self.max_batch, self.max_len = max_batch, max_len
+        self.worker = worker
+        self.version = version
+        self.recompute_kv_on_swap = recompute_kv_on_swap
+        self.max_prefill_tokens = max_prefill_tokens
+        if eos_token_ids is None:
+            eos = self.cfg.eos_token_id
+            eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.weight_loader = weight_loader or (lambda location: load_safetensors(location, self.device))
+        self.cache = KVCache(self.cfg, max_batch, max_len, self.device, dtype)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.steps = 0
+        self._free = list(range(max_batch - 1, -1, -1))  # pop() hands out slot 0 first
+        self._pending: list[_Seq] = []
+        self._running: dict[str, _Seq] = {}
+
+    # -- RolloutEngine interface ------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free) - len(self._pending)
+
+    @property
+    def running_ids(self) -> list[str]:
+        return list(self._running) + [s.req.request_id for s in self._pending]
+
+    def add_request(self, req: GenerateRequest) -> None:
+        prompt = [int(t) for t in np.asarray(req.prompt_ids).reshape(-1)]
+        if self.free_slots <= 0:
+            raise RuntimeError(f"no free slot for {req.request_id} (max_batch={self.max_batch})")
+        if req.request_id in self._running or any(s.req.request_id == req.request_id for s in self._pending):
+            raise ValueError(f"request {req.request_id} is already running")
+        if not 1 <= len(prompt) < self.max_len:
+            raise ValueError(f"request {req.request_id}: prompt of {len(prompt)} tokens, need 1..{self.max_len - 1}")
+        if req.max_tokens < 1:
+            raise ValueError(f"request {req.request_id}: max_tokens={req.max_tokens} < 1")
+        # String stops need a tokenizer and are the gateway's to apply; ints are token ids.
+        stops = frozenset(int(s) for s in req.stop if isinstance(s, (int, np.integer))) | self.eos_token_ids
+        self._pending.append(_Seq(req, prompt, len(prompt), stops, time.time()))
+
+    @torch.inference_mode()
+    def step(self) -> list[Completion]:
+        while self._pending:
+            seq = self._pending.pop(0)
+            seq.slot = self._free.pop()
+            self._running[seq.req.request_id] = seq
+        if not self._running:
+            return []
+        seqs = list(self._running.values())
+        # A sequence is either fresh (nothing cached: a newcomer, or all of it after a recompute
+        # swap) or has exactly its last sampled token to feed. A one-token prompt is fed as a decode.
+        fresh = sorted((s for s in seqs if s.cached == 0 and len(s.tokens) > 1), key=lambda s: len(s.tokens))
+        decode = [s for s in seqs if len(s.tokens) - s.cached == 1]
+        fed, logits = [], []
+        for group in self._prefill_groups(fresh):
+            logits.append(self._prefill_fresh(group))
+            fed += group
+        if decode:
+            logits.append(self._decode(decode))
+            fed += decode
+        tokens, logprobs = self._sample(torch.cat(logits), fed)
+        self.steps += 1
+        finished = []
+        for s, tok, lp in zip(fed, tokens, logprobs):
+            s.tokens.append(tok)
+            s.logprobs.append(lp)
+            s.versions.append(self.version)
+            if tok in s.stop_ids:
+                finished.append(self._finish(s, "stop"))
+            elif s.n_out >= s.req.max_tokens or len(s.tokens) >= self.max_len:
+                finished.append(self._finish(s, "length"))
+        return finished
+
+    def swap_weights(self, version: int, location: str) -> float:
+        t0 = time.perf_counter()
+        # Check every name and shape before touching a weight: a bad checkpoint must not half-swap.
+        state = check_state_dict(self.model, self.weight_loader(location))
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                param.copy_(state[name])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.version = version
+        if self.recompute_kv_on_swap:
+            for s in self._running.values():
+                s.cached = 0
+        return time.perf_counter() - t0
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _prefill_groups(self, fresh: list[_Seq]) -> list[list[_Seq]]:
+        """Split length-sorted newcomers so each batch's padded size stays within the budget."""
+        groups: list[list[_Seq]] = []
+        for s in fresh:
+            if groups and (len(groups[-1]) + 1) * len(s.tokens) <= self.max_prefill_tokens:
+                groups[-1].append(s)
+            else:
+                groups.append([s])
+        return groups
+
+    def _prefill_fresh(self, seqs: list[_Seq]) -> torch.Tensor:
+        """Prefill empty slots in one right-padded causal forward; logits [B, V] at each last token.
+
+        Padding is harmless: a pad sits after its row's real tokens, so no real token attends to it,
+        and the keys/values it writes land past the row's length, where decoding overwrites them
+        before anything reads them."""
+        lens = [len(s.tokens) for s in seqs]
+        width = max(lens)
+        ids = torch.tensor([s.tokens + [0] * (width - n) for s, n in zip(seqs, lens)], device=self.device)
+        pos = torch.arange(width, device=self.device).expand(len(seqs), width)
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        h = self.model.hidden_states(ids, pos, cache=self.cache, slots=slots)
+        for s in seqs:
+            s.cached = len(s.tokens)
+        last = torch.tensor(lens, device=self.device) - 1
+        return self.model.lm_head(h[torch.arange(len(seqs), device=self.device), last])
+
+    def _decode(self, seqs: list[_Seq]) -> torch.Tensor:
+        """One batched forward of each sequence's last token; logits [B, V]."""
+        ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)
+        pos = torch.tensor([[s.cached] for s in seqs], device=self.device)
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        h = self.model.hidden_states(ids, pos, cache=self.cache, slots=slots)
+        for s in seqs:
+            s.cached += 1
+        return self.model.lm_head(h[:, -1])
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[list[int], list[float]]:
+        temps = torch.tensor([float(s.req.temperature) for s in seqs], device=self.device)
+        logp = torch.log_softmax(scaled_logits(logits, temps), dim=-1)  # float32 [B, V]
+        tokens = logp.argmax(-1)
+        sampled = temps > 0
+        if any(s.req.temperature > 0 for s in seqs):
+            probs = logp.exp()
+            if any(s.req.top_p < 1 for s in seqs):
+                top_p = torch.tensor([float(s.req.top_p) for s in seqs], device=self.device)
+                probs = top_p_filter(probs, top_p)
+            draw = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+            tokens = torch.where(sampled, draw, tokens)
+        chosen = logp.gather(-1, tokens[:, None]).squeeze(1)
+        return tokens.tolist(), chosen.tolist()
+
+    def _finish(self, s: _Seq, reason: str) -> Completion:
+        del self._running[s.req.request_id]
+        self._free.append(s.slot)
+        return make_output(s, reason, self.worker)
+
+
+def make_output(s: _Seq, finish_reason: str, worker: str) -> Completion:
+    """The message a finished sequence becomes."""
+    req = s.req
+    return Completion(
+        request_id=req.request_id, episode_id=req.episode_id, ticket=req.ticket, worker=worker,
+        output_ids=np.asarray(s.tokens[s.prompt_len:], dtype=np.int32),
+        logprobs=np.asarray(s.logprobs, dtype=np.float32),
+        versions=np.asarray(s.versions, dtype=np.int32),
+        finish_reason=finish_reason, gen_seconds=time.time() - s.started_at,
+    )

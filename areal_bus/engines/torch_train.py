@@ -1,0 +1,152 @@
+"""The real trainer engine: staleness-aware PPO on a Qwen2/Llama checkpoint, in plain torch.
+
+One ``train(batch, version)`` is one policy update (one version):
+  1. GRPO advantages per trajectory from its reward and its group (the n samples of one task instance);
+  2. the batch is padded into [B, T] tensors: prompt + output tokens, with the loss mask (policy tokens
+     only: prompt and environment tokens are 0), the behaviour log-probabilities the engine recorded;
+  3. proximal log-probabilities are recomputed once, with the weights as they stand before this update;
+  4. ``ppo_epochs`` passes of mini-batch steps of ``decoupled_ppo_loss`` (AdamW, gradient clipping).
+
+Checkpoints are ordinary Hugging Face folders (config.json + model.safetensors + the tokenizer files
+copied from the start checkpoint), plus ``trainer_state.json`` (version, consumed trajectory ids) and
+``optimizer.pt`` (AdamW's state, torch's own format, written and read only by this trainer on this
+host: nothing that crossed a socket). ``resume`` restores all three, so the version sequence continues.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from areal_bus.loss import decoupled_ppo_loss, grpo_advantages, kl_penalty, masked_mean
+from areal_bus.messages import Trajectory
+from areal_bus.modeling import as_dtype, load_pretrained, save_pretrained, token_logprobs
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def pad_batch(batch: list[Trajectory], advantages: torch.Tensor) -> dict[str, torch.Tensor]:
+    """[B, T] tensors for a batch: ids, attention mask, loss mask, behaviour logprobs, advantages.
+    Right padding; position t of a row holds the token whose log-probability ``token_logprobs`` puts
+    at t, so the engine's per-token records line up with the trainer's recompute by construction."""
+    lengths = [t.prompt_ids.size + t.output_ids.size for t in batch]
+    B, T = len(batch), max(lengths)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.float32)
+    behav = torch.zeros(B, T, dtype=torch.float32)
+    adv = torch.zeros(B, T, dtype=torch.float32)
+    for i, t in enumerate(batch):
+        p, n = t.prompt_ids.size, t.output_ids.size
+        ids[i, :p + n] = torch.from_numpy(np.concatenate([t.prompt_ids, t.output_ids]).astype(np.int64))
+        attn[i, :p + n] = 1
+        mask[i, p:p + n] = torch.from_numpy(t.loss_mask.astype(np.float32))
+        behav[i, p:p + n] = torch.from_numpy(t.logprobs.astype(np.float32))
+        adv[i, p:p + n] = advantages[i]
+    return {"ids": ids, "attn": attn, "mask": mask, "behav": behav, "adv": adv}
+
+
+class TorchTrainEngine:
+    def __init__(self, topo, model_path: str | Path, *, publish=None):
+        cfg = topo.trainer_engine
+        self.cfg = cfg
+        self.topo = topo
+        self.model_path = Path(model_path)
+        self.device = torch.device(topo.model.device)
+        self.dtype = as_dtype(topo.model.dtype)
+        torch.manual_seed(topo.model.seed)
+        self.model = load_pretrained(self.model_path, self.device, self.dtype).train().requires_grad_(True)
+        self.ref = None
+        if cfg.kl_coef > 0:
+            self.ref = load_pretrained(self.model_path, self.device, self.dtype).eval().requires_grad_(False)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=topo.learning_rate, betas=(0.9, 0.999),
+                                     weight_decay=0.0)
+        self.temperature = topo.rollout_engine.temperature
+        self.mini_batch = topo.mini_batch_size
+        self.publish = publish  # callable(state_dict, version) -> (location, nbytes)
+
+    # -- one update ----------------------------------------------------------------------------
+    def train(self, batch: list[Trajectory], version: int) -> dict:
+        t0 = time.perf_counter()
+        rewards = torch.tensor([float(t.reward or 0.0) for t in batch])
+        adv = grpo_advantages(rewards, [t.group_id or t.traj_id for t in batch],
+                              std_normalize=self.cfg.adv_std_normalize, leave_one_out=self.cfg.adv_leave_one_out)
+        data = {k: v.to(self.device) for k, v in pad_batch(batch, adv).items()}
+        with torch.no_grad():  # proximal policy: the weights before this update
+            self.model.eval()
+            prox = token_logprobs(self.model, data["ids"], data["attn"], self.temperature)
+            ref = token_logprobs(self.ref, data["ids"], data["attn"], self.temperature) if self.ref is not None else None
+        self.model.train()
+        B = len(batch)
+        order = torch.arange(B)
+        acc: dict[str, float] = {}
+        steps = 0
+        for _ in range(self.cfg.ppo_epochs):
+            for start in range(0, B, self.mini_batch):
+                mb = order[start:start + self.mini_batch]
+                logp = token_logprobs(self.model, data["ids"][mb], data["attn"][mb], self.temperature)
+                loss, stats = decoupled_ppo_loss(
+                    logp, prox[mb], data["behav"][mb], data["adv"][mb], data["mask"][mb],
+                    eps_clip=self.cfg.eps_clip, eps_clip_high=self.cfg.eps_clip_high,
+                    behav_imp_weight_cap=self.cfg.behav_imp_weight_cap)
+                if ref is not None:
+                    kl = masked_mean(kl_penalty(logp, ref[mb], "k3"), data["mask"][mb])
+                    loss = loss + self.cfg.kl_coef * kl
+                    stats["kl"] = float(kl)
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+                self.opt.step()
+                stats["loss"] = float(loss)
+                for k, v in stats.items():
+                    acc[k] = acc.get(k, 0.0) + float(v)
+                steps += 1
+        out = {k: v / steps for k, v in acc.items()}
+        out["reward"] = float(rewards.mean())
+        out["tokens"] = int(data["mask"].sum())
+        out["compute_s"] = time.perf_counter() - t0
+        return out
+
+    # -- weights out ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def export_weights(self, version: int) -> tuple[str, int]:
+        if self.publish is None:
+            return "", 0
+        return self.publish(self.state_dict(), version)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, folder: Path, version: int, consumed: list[str]) -> Path:
+        """An HF checkpoint of ``version`` plus what resuming needs; written to a temp folder and
+        renamed, so a crash mid-save never leaves a half checkpoint that resume would pick."""
+        folder = Path(folder)
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_pretrained(self.model, tmp)
+        for name in TOKENIZER_FILES:
+            if (self.model_path / name).exists():
+                shutil.copy(self.model_path / name, tmp / name)
+        torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps({"version": version, "consumed": consumed}))
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+        return folder
+
+    def load_optimizer(self, folder: Path) -> None:
+        state = torch.load(Path(folder) / "optimizer.pt", map_location=self.device, weights_only=True)
+        self.opt.load_state_dict(state)
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The newest complete checkpoint under ``ckpt_dir`` (folders named step_<version>)."""
+    if not ckpt_dir.exists():
+        return None
+    done = [p for p in ckpt_dir.glob("step_*") if (p / "trainer_state.json").exists()]
+    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)

@@ -1,0 +1,113 @@
+"""Staleness rules: the admission capacity (an episode starts only if it can be consumed within
+``staleness`` versions) and the consumption bound, by hand cases and by simulating a run."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal_bus.admission import Admission, capacity, is_over_stale, staleness_of
+
+
+@pytest.mark.parametrize("version, staleness, batch, admitted, expected", [
+    (0, 2, 4, 0, 12),    # (2 + 0 + 1) * 4
+    (0, 2, 4, 12, 0),    # all of it taken
+    (1, 2, 4, 12, 4),    # one update later: one more batch
+    (5, 2, 4, 20, 12),   # (2 + 5 + 1) * 4 - 20
+    (0, 0, 8, 0, 8),     # synchronous: one batch
+    (3, 0, 8, 32, 0),
+    (0, 2, 4, 50, 0),    # over-admitted (e.g. after a version regression): never negative
+])
+def test_capacity_matches_the_formula(version, staleness, batch, admitted, expected):
+    assert capacity(version, staleness, batch, admitted) == expected
+
+
+@pytest.mark.parametrize("trainer_version, start_version, staleness, over", [
+    (5, 3, 2, False),   # exactly at the bound is still fine
+    (5, 2, 2, True),
+    (4, 4, 0, False),
+    (4, 3, 0, True),
+    (0, 0, 0, False),
+])
+def test_over_stale_means_more_than_staleness_versions_behind(trainer_version, start_version, staleness, over):
+    assert staleness_of(trainer_version, start_version) == trainer_version - start_version
+    assert is_over_stale(trainer_version, start_version, staleness) is over
+
+
+@settings(max_examples=300)
+@given(
+    staleness=st.integers(0, 4),
+    batch=st.integers(1, 6),
+    lag=st.integers(0, 3),
+    plan=st.lists(st.one_of(st.just("step"), st.integers(1, 20)), max_size=60),
+)
+def test_fifo_consumption_never_sees_an_over_stale_admission(staleness, batch, lag, plan):
+    """Admit what the rule allows, knowing the trainer's progress up to ``lag`` updates late; the
+    trainer consumes ``batch`` per update in admission order: no sample is consumed more than
+    ``staleness`` versions after the version it was admitted under."""
+    adm = Admission(staleness, batch)
+    queue: collections.deque[int] = collections.deque()  # admission version of each waiting sample
+    reports = [(0, 0)]  # (version, consumed) as the trainer publishes them
+    for op in plan:
+        if op == "step":
+            if len(queue) < batch:
+                continue  # the trainer waits for a full batch
+            version = reports[-1][0]
+            for _ in range(batch):
+                assert not is_over_stale(version, queue.popleft(), staleness)
+            reports.append((version + 1, reports[-1][1] + batch))
+        else:
+            known_version, known_consumed = reports[max(0, len(reports) - 1 - lag)]
+            adm.observe(known_version, known_consumed)
+            n = min(op, adm.capacity(known_version))
+            adm.admit(n)
+            queue.extend([known_version] * n)
+            assert adm.admitted <= (staleness + reports[-1][0] + 1) * batch
+
+
+@settings(max_examples=100)
+@given(batch=st.integers(1, 64), versions=st.integers(1, 10))
+def test_sync_mode_admits_exactly_one_batch_per_version(batch, versions):
+    adm = Admission(staleness=0, batch=batch)
+    for version in range(versions):
+        adm.observe(version, consumed=version * batch)
+        assert adm.capacity(version) == batch
+        adm.admit(batch)
+        assert adm.capacity(version) == 0
+
+
+@settings(max_examples=200)
+@given(batch=st.integers(1, 512), sources=st.integers(1, 64))
+def test_shares_of_several_sources_sum_to_the_batch(batch, sources):
+    shares = [Admission(2, batch, sources, i).batch_share for i in range(sources)]
+    assert sum(shares) == batch
+    assert max(shares) - min(shares) <= 1
+
+
+@settings(max_examples=200)
+@given(staleness=st.integers(0, 4), batch=st.integers(1, 64), sources=st.integers(1, 8), version=st.integers(0, 50))
+def test_several_sources_together_never_exceed_the_rule_for_one(staleness, batch, sources, version):
+    together = sum(Admission(staleness, batch, sources, i).capacity(version) for i in range(sources))
+    assert together <= capacity(version, staleness, batch, admitted=0)
+
+
+def test_several_sources_in_sync_mode_together_admit_one_batch():
+    assert sum(Admission(0, 10, 3, i).capacity(0) for i in range(3)) == 10
+
+
+def test_giving_back_a_stale_slot_restores_capacity():
+    adm = Admission(staleness=1, batch=4)
+    adm.admit(adm.capacity(0))
+    assert adm.capacity(0) == 0
+    adm.give_back(3)
+    assert adm.capacity(0) == 3
+    assert adm.returned == 3
+
+
+@pytest.mark.parametrize("kwargs", [dict(batch=0), dict(batch=4, sources=0), dict(batch=4, sources=2, source_index=2)])
+def test_admission_rejects_impossible_settings(kwargs):
+    with pytest.raises(ValueError):
+        Admission(staleness=2, **kwargs)
