@@ -15,8 +15,12 @@ import zmq
 
 from areal_bus import messages as m
 from areal_bus.channels import open_socket
+from areal_bus.codec import DecodeError, decode
 from areal_bus.constants import POLL_MS, PUB_HWM
 from areal_bus.node import NodeShell
+
+
+_SNAPSHOT_TYPES = {m.TOPIC_VERSION: m.VersionAnnounce, m.TOPIC_RUN: m.RunState}
 
 
 class SnapshotCache:
@@ -27,7 +31,15 @@ class SnapshotCache:
         self.last: dict[bytes, list[bytes]] = {}
 
     def observe(self, frames: list[bytes]) -> None:
-        if frames and frames[0] in self.topics:
+        """Remember the last message of a snapshot topic. Only these few small messages are decoded
+        here (everything else is forwarded blind): a garbled one must never replace a good snapshot."""
+        if not frames or frames[0] not in self.topics:
+            return
+        try:
+            _, msg = decode(frames[1:])
+        except DecodeError:
+            return
+        if _SNAPSHOT_TYPES.get(frames[0]) is type(msg):
             self.last[frames[0]] = frames
 
     def replay_for(self, subscription: bytes) -> list[list[bytes]]:

@@ -110,36 +110,55 @@ def test_bus_forwards_published_messages_to_subscribers(bus, ctx):
 
 # -- SnapshotCache ---------------------------------------------------------------------------------
 
-def _frames(topic: bytes, payload: bytes) -> list[bytes]:
-    return [topic, payload]
+_ENC = Encoder("test")
+
+
+def _version(v: int) -> list:
+    msg = m.VersionAnnounce(version=v, location="", nbytes=0, published_at=0.0)
+    return [bytes(f) for f in pack_topic(m.TOPIC_VERSION, _ENC.encode(msg, (v,)))]
+
+
+def _run(v: int) -> list:
+    msg = m.RunState(version=v, max_steps=10, finished=False, consumed=0)
+    return [bytes(f) for f in pack_topic(m.TOPIC_RUN, _ENC.encode(msg))]
 
 
 def test_cache_keeps_the_last_message_of_each_snapshot_topic():
     cache = SnapshotCache()
-    cache.observe(_frames(m.TOPIC_VERSION, b"v1"))
-    cache.observe(_frames(m.TOPIC_VERSION, b"v2"))
-    cache.observe(_frames(m.TOPIC_RUN, b"r1"))
-    assert cache.replay_for(b"\x01" + m.TOPIC_VERSION) == [_frames(m.TOPIC_VERSION, b"v2")]
-    assert cache.replay_for(b"\x01" + m.TOPIC_RUN) == [_frames(m.TOPIC_RUN, b"r1")]
+    v1, v2, r1 = _version(1), _version(2), _run(1)
+    for frames in (v1, v2, r1):
+        cache.observe(frames)
+    assert cache.replay_for(b"\x01" + m.TOPIC_VERSION) == [v2]
+    assert cache.replay_for(b"\x01" + m.TOPIC_RUN) == [r1]
 
 
 def test_cache_ignores_topics_that_are_not_snapshots():
     cache = SnapshotCache()
-    cache.observe(_frames(m.TOPIC_HEARTBEAT, b"hb"))
-    cache.observe(_frames(m.TOPIC_VERSION_ACK, b"vack"))
+    cache.observe([m.TOPIC_HEARTBEAT, b"hb"])
+    cache.observe([m.TOPIC_VERSION_ACK, b"vack"])
     assert cache.replay_for(b"\x01") == []
+
+
+def test_a_garbled_version_never_replaces_the_cached_snapshot():
+    cache = SnapshotCache()
+    good = _version(3)
+    cache.observe(good)
+    cache.observe([m.TOPIC_VERSION, b"\xc1garbage"])
+    cache.observe([m.TOPIC_VERSION, *_run(4)[1:]])  # a valid message, but not a version
+    assert cache.replay_for(b"\x01" + m.TOPIC_VERSION) == [good]
 
 
 def test_cache_replays_everything_cached_to_a_subscribe_all():
     cache = SnapshotCache()
-    cache.observe(_frames(m.TOPIC_VERSION, b"v"))
-    cache.observe(_frames(m.TOPIC_RUN, b"r"))
-    assert sorted(cache.replay_for(b"\x01")) == sorted([_frames(m.TOPIC_VERSION, b"v"), _frames(m.TOPIC_RUN, b"r")])
+    v, r = _version(1), _run(1)
+    cache.observe(v)
+    cache.observe(r)
+    assert sorted(cache.replay_for(b"\x01")) == sorted([v, r])
 
 
 def test_cache_replays_nothing_to_other_topics_or_unsubscribes():
     cache = SnapshotCache()
-    cache.observe(_frames(m.TOPIC_VERSION, b"v"))
+    cache.observe(_version(1))
     assert cache.replay_for(b"\x01" + m.TOPIC_HEARTBEAT) == []
     assert cache.replay_for(b"\x01" + m.TOPIC_VERSION_ACK) == []
     assert cache.replay_for(b"\x00" + m.TOPIC_VERSION) == []
