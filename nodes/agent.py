@@ -37,9 +37,15 @@ class SimDriver:
         self.prompt_len = topo.agent.prompt_len
         self.max_tokens = topo.rollout_engine.output_len.max
 
-    def start(self, rng: np.random.Generator, index: int):
-        """(task state, first prompt ids, meta) for a new task instance."""
-        return None, rng.integers(0, 32000, self.prompt_len, dtype=np.int32), {"task": "sim"}
+    def new_seed(self, rng: np.random.Generator) -> int:
+        return int(rng.integers(0, 2**31))
+
+    def start(self, rng: np.random.Generator, index: int, seed: int | None = None):
+        """(task state, first prompt ids, meta) for a new task instance; the same ``seed`` gives the
+        same instance (a GRPO group plays one instance several times)."""
+        seed = self.new_seed(rng) if seed is None else seed
+        prompt = np.random.default_rng(seed).integers(0, 32000, self.prompt_len, dtype=np.int32)
+        return None, prompt, {"task": "sim", "seed": seed}
 
     def advance(self, state, record: EpisodeRecord, comp: m.Completion):
         """After a turn: (environment reply ids or None, done, reward or None)."""
@@ -86,9 +92,10 @@ class EpisodeSource:
         n = self.admission.capacity(self.version)
         n -= n % group  # a GRPO group is admitted whole or not at all
         for _ in range(n // group):
-            state, prompt, meta = self.driver.start(self.rng, self.count)
+            seed = self.driver.new_seed(self.rng)
             gid = f"{self.prefix}-g{self.count}"
             for _ in range(group):
+                state, prompt, meta = self.driver.start(self.rng, self.count, seed=seed)
                 eid = f"{self.prefix}-{self.count}"
                 self.count += 1
                 # The slot in consumption order (stale drops give theirs back): slot // batch is the

@@ -57,8 +57,8 @@ def test_feedback_says_higher_lower_and_correct_ends_with_reward_one():
     task = GuessTask()
     ep = task.reset(seed_with_secret(11))
     assert ep.messages[0]["role"] == "user" and "16" in ep.messages[0]["content"]
-    assert ep.step("4") == ("higher", False)
-    assert ep.step("13") == ("lower", False)
+    assert ep.step("4") == ("higher (5-16)", False)
+    assert ep.step("13") == ("lower (5-12)", False)
     assert ep.reward == 0.0
     assert ep.step("11") == (None, True)
     assert ep.done and ep.turns == 3 and ep.reward == 1.0
@@ -67,8 +67,8 @@ def test_feedback_says_higher_lower_and_correct_ends_with_reward_one():
 
 def test_out_of_turns_ends_with_reward_zero():
     ep = GuessTask(max_turns=5).reset(seed_with_secret(16))
-    for guess in "12345"[:4]:
-        assert ep.step(guess) == ("higher", False)
+    for guess in "1234":
+        assert ep.step(guess) == (f"higher ({int(guess) + 1}-16)", False)
     assert ep.step("5") == (None, True)
     assert ep.reward == 0.0 and ep.turns == 5
     with pytest.raises(RuntimeError):
@@ -77,7 +77,7 @@ def test_out_of_turns_ends_with_reward_zero():
 
 def test_unparseable_guess_is_a_wasted_turn():
     ep = GuessTask().reset(seed_with_secret(3))
-    assert ep.step("no idea") == ("invalid", False)
+    assert ep.step("no idea") == ("invalid (1-16)", False)
     assert ep.turns == 1 and not ep.done
     assert ep.step("3") == (None, True) and ep.reward == 1.0
 
@@ -142,8 +142,8 @@ def test_prefix_plus_sampled_plus_env_ids_equal_the_chat_template(tok):
 
 
 def test_env_turn_ids_close_the_turn_and_open_the_next_assistant_turn(tok):
-    ids = render_env_turn(tok, "higher")
-    assert tok.decode(ids) == "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
+    ids = render_env_turn(tok, "higher (9-16)")
+    assert tok.decode(ids) == "\n<|im_start|>user\nhigher (9-16)<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_longest_episode_generates_at_least_5x_the_shortest(tok):

@@ -2,7 +2,12 @@
 
 The environment holds a secret in 1..n (drawn from the episode seed). Each assistant turn is a guess;
 the environment answers as the user with "higher", "lower" or, for a turn with no number in it,
-"invalid" (a wasted turn). The episode ends when the guess is right or after ``max_turns`` guesses.
+"invalid" (a wasted turn), followed by the range still possible, e.g. "higher (9-16)". The episode
+ends when the guess is right or after ``max_turns`` guesses.
+
+Why the reply carries the range: it puts the game's state in the last message, so a model of a few
+hundred thousand parameters, trained for two minutes on two CPU cores, can play from it. What remains
+to learn, and what RL improves, is the strategy: which number to pick from that range.
 
 Reward (verifiable, in [0, 1]): 1.0 if the secret was guessed within ``max_turns``, else 0.0. We keep
 it binary on purpose: it is exactly the solve rate, which is what the learning benchmark reports, and
@@ -89,6 +94,7 @@ class Episode:
         if self.turns >= self.max_turns:
             self.done = True
             return None, True
+        reply = f"{reply} ({self.lo}-{self.hi})"
         self.messages.append({"role": "user", "content": reply})
         return reply, False
 

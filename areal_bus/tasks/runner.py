@@ -36,9 +36,13 @@ class GuessDriver:
         self.task = GuessTask(n, max_turns)
         self.eos = tokenizer.eos_token_id
 
+    def new_seed(self, rng: np.random.Generator) -> int:
+        """A training game: seeds below EVAL_SEED_BASE, so never one of the held-out games."""
+        return int(rng.integers(0, EVAL_SEED_BASE))
+
     def start(self, rng: np.random.Generator, index: int, seed: int | None = None):
-        """(episode, first prompt ids, meta) for a new game; training seeds stay below the eval set."""
-        seed = int(rng.integers(0, EVAL_SEED_BASE)) if seed is None else seed
+        """(episode, first prompt ids, meta) for a new game; the same seed is the same game."""
+        seed = self.new_seed(rng) if seed is None else seed
         ep = self.task.reset(seed)
         return ep, np.asarray(render_prefix(self.tok, ep), dtype=np.int32), {"task": "guess", "seed": seed}
 
