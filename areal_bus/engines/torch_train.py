@@ -103,7 +103,7 @@ class TorchTrainEngine:
                 loss.backward()
                 stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
                 self.opt.step()
-                stats["loss"] = float(loss)
+                stats["loss"] = float(loss.detach())
                 for k, v in stats.items():
                     acc[k] = acc.get(k, 0.0) + float(v)
                 steps += 1

@@ -1,0 +1,134 @@
+"""Learning, asynchronous vs synchronous, on the embedded default (a tiny Qwen2 on guess-the-number).
+
+Runs topology/default.yaml twice under supervisord, identical but for ``async.enabled``: same warm-start
+model, same seed, same sample budget (max_steps x global_batch_size). The trainer evaluates greedily on
+the same 64 held-out games every ``eval_interval`` updates. Prints both curves (eval reward by step, with
+wall-clock time), the final rewards and the wall-clock ratio, and saves both curves in one plot.
+
+Run:   .venv/bin/python bench/learning.py                  (about 10-15 minutes on 2 cores)
+       .venv/bin/python bench/learning.py --steps 20       (shorter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from areal_bus.render import write_conf  # noqa: E402
+from areal_bus.topology import parse_topology  # noqa: E402
+
+
+def run_mode(mode: str, base: dict, model: Path, keep: Path | None) -> tuple[list[dict], float]:
+    work = Path(tempfile.mkdtemp(prefix=f"ab-learn-{mode}-", dir="/tmp"))
+    try:
+        topo = json.loads(json.dumps(base))
+        topo["name"] = f"learn-{mode}"
+        topo["async"] = {"enabled": mode == "async"}
+        topo["model"]["path"] = str(model)
+        topo["logging"]["save_interval"] = 0
+        (work / "topology.yaml").write_text(yaml.safe_dump(topo, sort_keys=False))
+        parsed = parse_topology(topo, str(work / "topology.yaml"))
+        conf = write_conf(parsed, work / "topology.yaml", work / "supervisord.conf")
+        env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+        t0 = time.monotonic()
+        proc = subprocess.run([str(Path(sys.executable).parent / "supervisord"), "-c", str(conf)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=3600)
+        wall = time.monotonic() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(f"{mode}: supervisord exited {proc.returncode}; logs in {work}/logs")
+        records = [json.loads(x) for x in (work / "logs" / "train_steps.jsonl").read_text().splitlines()]
+        print(f"  {mode}: {sum(1 for r in records if r['step'] >= 0)} updates in {wall:.0f} s wall", flush=True)
+        return records, wall
+    finally:
+        if keep is not None:
+            shutil.copytree(work / "logs", keep / mode, dirs_exist_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def curve(records: list[dict]) -> list[tuple[int, float, float]]:
+    """(updates done, seconds since the first record, eval reward) for every evaluation."""
+    t0 = records[0]["t_end"]
+    return [(r["step"] + 1, r["t_end"] - t0, r["eval_reward"]) for r in records if r.get("eval_reward") is not None]
+
+
+def save_plot(curves: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+    for mode, pts in curves.items():
+        a.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=mode)
+        b.plot([p[1] for p in pts], [p[2] for p in pts], "o-", label=mode)
+    a.set_xlabel("updates")
+    b.set_xlabel("wall-clock seconds")
+    for ax in (a, b):
+        ax.set_ylabel("held-out greedy eval reward")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("guess-the-number, tiny Qwen2, async vs sync (same seed and sample budget)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--topology", type=Path, default=ROOT / "topology" / "default.yaml")
+    p.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-guess")
+    p.add_argument("--steps", type=int, default=None, help="updates per mode (default: the topology's max_steps)")
+    p.add_argument("--plot", type=Path, default=ROOT / "bench" / "learning.png")
+    p.add_argument("--keep-logs", type=Path, default=None)
+    args = p.parse_args()
+    if not (args.model / "config.json").exists():
+        print(f"no model at {args.model}: run `python scripts/warmstart.py --out {args.model}` first", file=sys.stderr)
+        return 2
+    base = yaml.safe_load(args.topology.read_text())
+    if args.steps:
+        base["max_steps"] = args.steps
+    parsed = parse_topology(base, str(args.topology))
+    print(f"workload: {parsed.model.path} -> {args.model}, {parsed.rollout_workers} rollout workers, "
+          f"global batch {parsed.global_batch_size} (GRPO groups of {parsed.agent.group_size}), "
+          f"{parsed.max_steps} updates = {parsed.max_steps * parsed.global_batch_size} samples per mode, "
+          f"staleness {parsed.staleness_threshold}, eval every {parsed.trainer_engine.eval_interval} updates on "
+          f"{parsed.trainer_engine.eval_episodes} held-out games")
+    res = {}
+    for mode in ("async", "sync"):
+        records, wall = run_mode(mode, base, args.model.resolve(), args.keep_logs)
+        res[mode] = (curve(records), wall, sum(r["samples"] for r in records))
+    print()
+    print(f"{'update':>6}  {'async t(s)':>10} {'async eval':>10}  {'sync t(s)':>9} {'sync eval':>9}")
+    a, s = res["async"][0], res["sync"][0]
+    for i in range(max(len(a), len(s))):
+        ca = f"{a[i][1]:>10.0f} {a[i][2]:>10.3f}" if i < len(a) else " " * 21
+        cs = f"{s[i][1]:>9.0f} {s[i][2]:>9.3f}" if i < len(s) else ""
+        print(f"{(a[i] if i < len(a) else s[i])[0]:>6}  {ca}  {cs}")
+    start = a[0][2]
+    fa, fs = a[-1][2], s[-1][2]
+    wa, ws = res["async"][1], res["sync"][1]
+    print(f"\nwarm start {start:.3f} -> async {fa:.3f} (+{fa - start:.3f}), sync {fs:.3f} (+{fs - start:.3f}); "
+          f"|async - sync| = {abs(fa - fs):.3f}")
+    print(f"wall clock: async {wa:.0f} s, sync {ws:.0f} s, async {ws / wa:.2f}x faster; "
+          f"samples: async {res['async'][2]}, sync {res['sync'][2]}")
+    save_plot({m: r[0] for m, r in res.items()}, args.plot)
+    print(f"plot: {args.plot}")
+    print(f"RESULT warm_start={start:.3f} async_final={fa:.3f} sync_final={fs:.3f} gap={abs(fa - fs):.3f} "
+          f"async_wall_s={wa:.0f} sync_wall_s={ws:.0f} speedup={ws / wa:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
