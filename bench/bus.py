@@ -12,7 +12,7 @@ median over the rounds is reported, because the machine is shared and absolute r
 is taken at the receiver: messages decoded from the first arrival to the end marker. The receiver
 checks that it got every message sent and that the last one decoded equals what was sent.
 
-Run:  .venv/bin/python bench/bus.py                          (~50 s: 5 rounds x ipc,tcp x raw,bus x 2 s)
+Run:  .venv/bin/python bench/bus.py                          (~45 s: 5 rounds x ipc,tcp x raw,bus x 2 s)
       .venv/bin/python bench/bus.py --seconds 1 --rounds 3 --transport ipc
 
 The last line is ``RESULT bus_msgs_per_s=... raw_msgs_per_s=... ratio=... us_per_msg=...`` for the
@@ -241,7 +241,8 @@ def main() -> None:
               f"{tx:>11.1f}{rx:>11.1f}   {rounds}")
     print()
     for transport in transports:
-        paired = " ".join(f"{b.rate / r.rate:.2f}" for b, r in zip(samples[transport, "bus"], samples[transport, "raw"]))
+        pairs = zip(samples[transport, "bus"], samples[transport, "raw"])
+        paired = " ".join(f"{b.rate / r.rate:.2f}" for b, r in pairs)
         print(f"ratio bus/raw ({transport}): {med[transport, 'bus'] / med[transport, 'raw']:.2f}   per round {paired}")
     print(f"load at the end: {os.getloadavg()[0]:.1f} (others' work on this machine skews single rounds)")
     t = transports[0]

@@ -30,6 +30,7 @@ from areal_bus.channels import Receiver, open_socket
 from areal_bus.constants import POLL_MS, SEEN_IDS_MAX
 from areal_bus.engines.sim import SimTrainEngine
 from areal_bus.node import NodeShell
+from areal_bus.topology import dump_resolved
 
 
 class TrainQueue:
@@ -105,7 +106,17 @@ def make_engine(topo, base=None, model_path=None):
         loc = writer.write(state_dict, version)
         return loc, writer.nbytes
 
-    engine = TorchTrainEngine(topo, path, publish=publish)
+    dp = None
+    if topo.train_workers > 1:
+        from areal_bus.engines.torch_dp import DataParallel
+
+        # The other ranks read the resolved topology this node dumped at start (JSON is YAML).
+        resolved = topo.log_dir(base) / "resolved" / "trainer-dp.json"
+        resolved.parent.mkdir(parents=True, exist_ok=True)
+        resolved.write_text(json.dumps(dump_resolved(topo)))
+        dp = DataParallel.launch(topo.train_workers, str(resolved), str(path),
+                                 backend="nccl" if topo.model.device.startswith("cuda") else "gloo")
+    engine = TorchTrainEngine(topo, path, publish=publish, dp=dp)
     engine.release = lambda version: writer is not None and writer.mark_released(version)
     if topo.trainer_engine.eval_interval <= 0:
         return engine, None
@@ -303,6 +314,8 @@ def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
         if job is not None:
             job[0].cancel()
         pool.shutdown(wait=False, cancel_futures=True)
+        if getattr(engine, "dp", None) is not None and job is None:
+            engine.dp.close()  # tell the other ranks to stop (mid-update, killasgroup stops them)
         steps_file.close()
         shell.close()
     return 0

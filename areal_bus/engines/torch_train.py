@@ -53,7 +53,7 @@ def pad_batch(batch: list[Trajectory], advantages: torch.Tensor) -> dict[str, to
 
 
 class TorchTrainEngine:
-    def __init__(self, topo, model_path: str | Path, *, publish=None):
+    def __init__(self, topo, model_path: str | Path, *, publish=None, dp=None):
         cfg = topo.trainer_engine
         self.cfg = cfg
         self.topo = topo
@@ -70,37 +70,61 @@ class TorchTrainEngine:
         self.temperature = topo.rollout_engine.temperature
         self.mini_batch = topo.mini_batch_size
         self.publish = publish  # callable(state_dict, version) -> (location, nbytes)
+        self.dp = dp  # a torch_dp.DataParallel when train_workers > 1
 
     # -- one update ----------------------------------------------------------------------------
     def train(self, batch: list[Trajectory], version: int) -> dict:
-        t0 = time.perf_counter()
         rewards = torch.tensor([float(t.reward or 0.0) for t in batch])
         adv = grpo_advantages(rewards, [t.group_id or t.traj_id for t in batch],
                               std_normalize=self.cfg.adv_std_normalize, leave_one_out=self.cfg.adv_leave_one_out)
-        data = {k: v.to(self.device) for k, v in pad_batch(batch, adv).items()}
+        data = pad_batch(batch, adv)
+        if self.dp is not None:
+            self.dp.send(data)  # every rank gets the whole padded batch and takes its own rows
+        out = self.update(data)
+        out["reward"] = float(rewards.mean())
+        return out
+
+    def update(self, data: dict[str, torch.Tensor]) -> dict:
+        """The update on this rank's rows of ``data``. With data parallelism each rank holds rows
+        rank::world of every mini-batch and scales its loss by its share of the mini-batch's tokens, so
+        the all-reduced gradient is exactly the single-process gradient of the mini-batch."""
+        t0 = time.perf_counter()
+        rank, world = (self.dp.rank, self.dp.world) if self.dp is not None else (0, 1)
+        data = {k: v.to(self.device) for k, v in data.items()}
+        B = data["ids"].shape[0]
+        mine = torch.arange(B)[rank::world]
+        prox = torch.zeros_like(data["behav"])
+        ref = torch.zeros_like(data["behav"]) if self.ref is not None else None
         with torch.no_grad():  # proximal policy: the weights before this update
             self.model.eval()
-            prox = token_logprobs(self.model, data["ids"], data["attn"], self.temperature)
-            ref = token_logprobs(self.ref, data["ids"], data["attn"], self.temperature) if self.ref is not None else None
+            if len(mine):
+                prox[mine] = token_logprobs(self.model, data["ids"][mine], data["attn"][mine], self.temperature)
+                if ref is not None:
+                    ref[mine] = token_logprobs(self.ref, data["ids"][mine], data["attn"][mine], self.temperature)
         self.model.train()
-        B = len(batch)
-        order = torch.arange(B)
         acc: dict[str, float] = {}
         steps = 0
         for _ in range(self.cfg.ppo_epochs):
             for start in range(0, B, self.mini_batch):
-                mb = order[start:start + self.mini_batch]
-                logp = token_logprobs(self.model, data["ids"][mb], data["attn"][mb], self.temperature)
-                loss, stats = decoupled_ppo_loss(
-                    logp, prox[mb], data["behav"][mb], data["adv"][mb], data["mask"][mb],
-                    eps_clip=self.cfg.eps_clip, eps_clip_high=self.cfg.eps_clip_high,
-                    behav_imp_weight_cap=self.cfg.behav_imp_weight_cap)
-                if ref is not None:
-                    kl = masked_mean(kl_penalty(logp, ref[mb], "k3"), data["mask"][mb])
-                    loss = loss + self.cfg.kl_coef * kl
-                    stats["kl"] = float(kl)
-                self.opt.zero_grad(set_to_none=True)
-                loss.backward()
+                mb = torch.arange(start, min(B, start + self.mini_batch))
+                rows = mb[rank::world]
+                share = float(data["mask"][rows].sum() / data["mask"][mb].sum().clamp(min=1))
+                self.opt.zero_grad(set_to_none=False)
+                stats: dict[str, float] = {}
+                loss = torch.zeros(())
+                if len(rows):
+                    logp = token_logprobs(self.model, data["ids"][rows], data["attn"][rows], self.temperature)
+                    loss, stats = decoupled_ppo_loss(
+                        logp, prox[rows], data["behav"][rows], data["adv"][rows], data["mask"][rows],
+                        eps_clip=self.cfg.eps_clip, eps_clip_high=self.cfg.eps_clip_high,
+                        behav_imp_weight_cap=self.cfg.behav_imp_weight_cap)
+                    if ref is not None:
+                        kl = masked_mean(kl_penalty(logp, ref[rows], "k3"), data["mask"][rows])
+                        loss = loss + self.cfg.kl_coef * kl
+                        stats["kl"] = float(kl)
+                    (loss * share).backward()
+                if self.dp is not None:
+                    loss = self.dp.all_reduce_grads(self.model, loss.detach() * share)
                 stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
                 self.opt.step()
                 stats["loss"] = float(loss.detach())
@@ -108,7 +132,6 @@ class TorchTrainEngine:
                     acc[k] = acc.get(k, 0.0) + float(v)
                 steps += 1
         out = {k: v / steps for k, v in acc.items()}
-        out["reward"] = float(rewards.mean())
         out["tokens"] = int(data["mask"].sum())
         out["compute_s"] = time.perf_counter() - t0
         return out
