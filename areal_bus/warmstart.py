@@ -67,7 +67,9 @@ class Recipe:
     p_blind: float = 0.05
     """Per-turn probability of a uniform guess in 1..n ignoring the feedback (a wasted turn, mostly)."""
     hidden_size: int = 128
-    num_layers: int = 4
+    """Model width. With 2 layers the model has ~0.3M parameters: about 0.2 s per SFT step of 32 games
+    on 2 cores, and fast enough to sample on CPU during RL."""
+    num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 256
