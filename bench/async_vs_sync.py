@@ -17,23 +17,17 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from areal_bus.engines.sim import draw_length  # noqa: E402
-from areal_bus.render import write_conf  # noqa: E402
 from areal_bus.topology import parse_topology  # noqa: E402
+from bench.harness import run_system  # noqa: E402
 
 WORKLOAD = {
     "rollout_workers": 8,
@@ -94,29 +88,11 @@ def describe(topo_dict: dict) -> list[str]:
 
 
 def run_mode(mode: str, steps: int, scale: float, keep: Path | None) -> list[dict]:
-    work = Path(tempfile.mkdtemp(prefix=f"ab-{mode}-", dir="/tmp"))
-    try:
-        topo_path = work / "topology.yaml"
-        topo_path.write_text(yaml.safe_dump(topology(mode, steps, scale), sort_keys=False))
-        topo = parse_topology(yaml.safe_load(topo_path.read_text()), str(topo_path))
-        conf = write_conf(topo, topo_path, work / "supervisord.conf")
-        env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
-        t0 = time.monotonic()
-        proc = subprocess.run([str(Path(sys.executable).parent / "supervisord"), "-c", str(conf)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=900)
-        wall = time.monotonic() - t0
-        if proc.returncode != 0:
-            raise RuntimeError(f"{mode}: supervisord exited {proc.returncode}; logs in {work}/logs")
-        lines = (work / "logs" / "train_steps.jsonl").read_text().splitlines()
-        records = [json.loads(line) for line in lines]
-        if len(records) < steps:
-            raise RuntimeError(f"{mode}: only {len(records)} of {steps} steps recorded; logs in {work}/logs")
-        print(f"  {mode}: {len(records)} steps in {wall:.1f} s wall (incl. start-up and shut-down)", flush=True)
-        return records
-    finally:
-        if keep is not None:
-            shutil.copytree(work / "logs", keep / mode, dirs_exist_ok=True)
-        shutil.rmtree(work, ignore_errors=True)
+    records, wall = run_system(topology(mode, steps, scale), mode, keep, timeout=900)
+    if len(records) < steps:
+        raise RuntimeError(f"{mode}: only {len(records)} of {steps} steps recorded")
+    print(f"  {mode}: {len(records)} steps in {wall:.1f} s wall (incl. start-up and shut-down)", flush=True)
+    return records
 
 
 def summarize(records: list[dict], warmup: int) -> dict:

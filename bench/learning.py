@@ -13,12 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import yaml
@@ -26,35 +21,19 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from areal_bus.render import write_conf  # noqa: E402
 from areal_bus.topology import parse_topology  # noqa: E402
+from bench.harness import run_system  # noqa: E402
 
 
 def run_mode(mode: str, base: dict, model: Path, keep: Path | None) -> tuple[list[dict], float]:
-    work = Path(tempfile.mkdtemp(prefix=f"ab-learn-{mode}-", dir="/tmp"))
-    try:
-        topo = json.loads(json.dumps(base))
-        topo["name"] = f"learn-{mode}"
-        topo["async"] = {"enabled": mode == "async"}
-        topo["model"]["path"] = str(model)
-        topo["logging"]["save_interval"] = 0
-        (work / "topology.yaml").write_text(yaml.safe_dump(topo, sort_keys=False))
-        parsed = parse_topology(topo, str(work / "topology.yaml"))
-        conf = write_conf(parsed, work / "topology.yaml", work / "supervisord.conf")
-        env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
-        t0 = time.monotonic()
-        proc = subprocess.run([str(Path(sys.executable).parent / "supervisord"), "-c", str(conf)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=3600)
-        wall = time.monotonic() - t0
-        if proc.returncode != 0:
-            raise RuntimeError(f"{mode}: supervisord exited {proc.returncode}; logs in {work}/logs")
-        records = [json.loads(x) for x in (work / "logs" / "train_steps.jsonl").read_text().splitlines()]
-        print(f"  {mode}: {sum(1 for r in records if r['step'] >= 0)} updates in {wall:.0f} s wall", flush=True)
-        return records, wall
-    finally:
-        if keep is not None:
-            shutil.copytree(work / "logs", keep / mode, dirs_exist_ok=True)
-        shutil.rmtree(work, ignore_errors=True)
+    topo = json.loads(json.dumps(base))
+    topo["name"] = f"learn-{mode}"
+    topo["async"] = {"enabled": mode == "async"}
+    topo["model"]["path"] = str(model)
+    topo["logging"]["save_interval"] = 0
+    records, wall = run_system(topo, mode, keep)
+    print(f"  {mode}: {sum(1 for r in records if r['step'] >= 0)} updates in {wall:.0f} s wall", flush=True)
+    return records, wall
 
 
 def curve(records: list[dict]) -> list[tuple[int, float, float]]:

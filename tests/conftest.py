@@ -107,3 +107,24 @@ def _traj(traj_id: str = "t-0", *, ticket: int = 0, versions=(0, 0, 0), prompt_l
 def make_traj():
     """``make_traj(id, ticket=, versions=(v per output token), prompt_len=, dtype=, logprob_dtype=)``."""
     return _traj
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny models on a shared 2-core box: one torch thread is ~100x faster than oversubscribing."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A tiny random Qwen2 checkpoint in Hugging Face format."""
+    from areal_bus.modeling import TINY_QWEN2, make_random_model, save_pretrained
+
+    path = tmp_path / "model"
+    save_pretrained(make_random_model(TINY_QWEN2, seed=0, std=0.2), path)
+    return path

@@ -11,11 +11,11 @@ import torch
 from areal_bus.engines.torch_dp import DataParallel
 from areal_bus.engines.torch_train import TorchTrainEngine
 from areal_bus.topology import dump_resolved
-from tests.test_torch_train import _episodes, _topo, model_dir, one_thread  # noqa: F401  (fixtures)
+from tests.test_torch_train import _episodes, _topo
 
 
 @pytest.mark.timeout(120)
-def test_two_gloo_ranks_match_one_process(model_dir, tmp_path):  # noqa: F811
+def test_two_gloo_ranks_match_one_process(model_dir, tmp_path, one_torch_thread):
     trajs = _episodes(model_dir, n=8, group=4)
     single = TorchTrainEngine(_topo(model_dir), model_dir)
     s_stats = single.train(trajs, version=0)

@@ -13,24 +13,14 @@ from areal_bus.engines.torch_engine import TorchRolloutEngine
 from areal_bus.engines.torch_train import TorchTrainEngine, pad_batch
 from areal_bus.episode import EpisodeRecord
 from areal_bus.messages import GenerateRequest
-from areal_bus.modeling import TINY_QWEN2, load_pretrained, make_random_model, save_pretrained, token_logprobs
+from areal_bus.modeling import load_pretrained, token_logprobs
 from areal_bus.topology import parse_topology
 from nodes.trainer import resume_state
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    path = tmp_path / "model"
-    save_pretrained(make_random_model(TINY_QWEN2, seed=0, std=0.2), path)
-    return path
+def _one_thread(one_torch_thread):
+    pass
 
 
 def _topo(model_dir, **over):

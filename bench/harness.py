@@ -1,0 +1,41 @@
+"""Shared by the benchmarks: run a whole areal_bus system from a topology dict under a real supervisord,
+in a fresh short temp folder, until it ends by itself; return the trainer's step records."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from areal_bus.render import write_conf
+from areal_bus.topology import parse_topology
+
+
+def run_system(topo: dict, name: str, keep: Path | None = None, timeout: float = 3600) -> tuple[list[dict], float]:
+    """(records of logs/train_steps.jsonl, wall seconds). ``keep``: copy the logs to keep/name."""
+    work = Path(tempfile.mkdtemp(prefix=f"ab-{name}-", dir="/tmp"))  # ipc paths must stay short
+    try:
+        path = work / "topology.yaml"
+        path.write_text(yaml.safe_dump(topo, sort_keys=False))
+        conf = write_conf(parse_topology(topo, str(path)), path, work / "supervisord.conf")
+        # The nodes find `areal-bus` next to this interpreter (the conf puts %(here)s/.venv/bin first).
+        env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+        t0 = time.monotonic()
+        proc = subprocess.run([str(Path(sys.executable).parent / "supervisord"), "-c", str(conf)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=timeout)
+        wall = time.monotonic() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name}: supervisord exited {proc.returncode}")
+        lines = (work / "logs" / "train_steps.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines], wall
+    finally:
+        if keep is not None and (work / "logs").exists():
+            shutil.copytree(work / "logs", keep / name, dirs_exist_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
