@@ -25,6 +25,7 @@ LOG_NAMES = {
     "reward": ("reward", "reward"),
     "weights": ("weights", "weights"),
     "bus": ("bus", "bus"),
+    "gateway": ("gateway", "gateway"),
     "probe": ("probe", "probe"),
 }
 

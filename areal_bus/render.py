@@ -16,7 +16,8 @@ from areal_bus.topology import Topology
 
 # Start order: the hub first, consumers before producers (ZeroMQ reconnects either way; this only
 # shortens the first seconds).
-PRIORITY = {"bus": 10, "weights": 20, "trainer": 20, "reward": 25, "rollout": 30, "agent": 40, "probe": 50}
+PRIORITY = {"bus": 10, "weights": 20, "trainer": 20, "reward": 25, "rollout": 30, "gateway": 35, "agent": 40,
+            "probe": 50}
 STOP_WAIT_S = 10
 """Seconds supervisord waits after SIGTERM before SIGKILL. Nodes exit within a poll interval plus
 LINGER_MS; a trainer mid-update finishes its step first, which the simulated and tiny models do fast."""

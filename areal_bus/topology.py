@@ -18,7 +18,7 @@ from typing import Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-NODE_KINDS = ("bus", "agent", "rollout", "reward", "trainer", "weights", "probe")
+NODE_KINDS = ("bus", "gateway", "agent", "rollout", "reward", "trainer", "weights", "probe")
 
 
 class TopologyError(ValueError):
@@ -161,7 +161,7 @@ class Topology(_Strict):
     rollout_engine: RolloutEngineConfig = Field(default_factory=RolloutEngineConfig)
     trainer_engine: TrainerEngineConfig = Field(default_factory=TrainerEngineConfig)
     endpoints: Endpoints = Field(default_factory=Endpoints)
-    nodes: dict[Literal["bus", "agent", "rollout", "reward", "trainer", "weights", "probe"], NodeSpec] = Field(
+    nodes: dict[Literal["bus", "gateway", "agent", "rollout", "reward", "trainer", "weights", "probe"], NodeSpec] = Field(
         default_factory=dict, description="Node kinds to run; kinds left out get their defaults.")
 
     @model_validator(mode="after")
@@ -199,7 +199,7 @@ class Topology(_Strict):
             return spec.replicas
         if kind == "rollout":
             return self.rollout_workers
-        return {"probe": 0}.get(kind, 1)
+        return {"probe": 0, "gateway": 0}.get(kind, 1)
 
     def node_config(self, kind: str) -> dict:
         spec = self.nodes.get(kind)
@@ -240,7 +240,7 @@ class Topology(_Strict):
     def endpoint(self, channel: str, replica: int = 0, base: Path | None = None) -> str:
         """Address of ``channel`` (as bound by its owner; connectors use the same string)."""
         offsets = {"hub_in": 0, "hub_out": 1, "work": 100, "samples": 200, "train": 300, "weights": 400,
-                   "replies": 500}
+                   "replies": 500, "gwork": 600}
         if channel not in offsets:
             raise KeyError(channel)
         if self.endpoints.transport == "tcp":

@@ -86,16 +86,32 @@ def run(topo, replica: int = 0, base=None) -> int:
                               track_acks=False)
                for i in range(n_agents)]
     inbox = Receiver(work, shell.metrics, shell.log)
+    # Gateways address workers directly (sticky sessions): a DEALER per gateway, named by our node id,
+    # carries its requests in and the completions back.
+    n_gw = topo.replicas("gateway")
+    gsocks = []
+    for j in range(n_gw):
+        sock = shell.ctx.socket(zmq.DEALER)
+        sock.identity = shell.node_id.encode()
+        sock.linger = 0
+        sock.sndhwm = sock.rcvhwm = topo.queue_max_size
+        sock.connect(shell.endpoint("gwork", j))
+        gsocks.append(sock)
+    gw_in = [Receiver(sock, shell.metrics, shell.log) for sock in gsocks]
+    gw_out = [ReliableSender(sock, shell.encoder, shell.metrics, f"gw{j}", capacity=topo.rollout_engine.max_batch,
+                             track_acks=False) for j, sock in enumerate(gsocks)]
     engine, release_upto = make_engine(topo, shell.node_id, replica, base)
     steplog = StepLog(topo)
     waiting: list[m.GenerateRequest] = []  # requests whose min_version we do not serve yet
-    reply_of: dict[str, int] = {}  # request id -> agent replica that asked
+    reply_of: dict[str, int] = {}  # request id -> agent replica that asked (-1 - j: gateway j)
     announced = None
     shell.announce_start(engine=topo.rollout_engine.kind, max_batch=topo.rollout_engine.max_batch)
     shell.start_heartbeat()
     poller = zmq.Poller()
     poller.register(shell.sub, zmq.POLLIN)
     poller.register(work, zmq.POLLIN)
+    for sock in gsocks:
+        poller.register(sock, zmq.POLLIN)
     try:
         while not shell.stopping.is_set():
             for _, msg in shell.drain_hub():
@@ -115,33 +131,39 @@ def run(topo, replica: int = 0, base=None) -> int:
             for req in [r for r in waiting if r.min_version <= engine.version]:
                 waiting.remove(req)
                 engine.add_request(req)
-            backed_up = any(r.full for r in replies)
-            while engine.free_slots > len(waiting) and not backed_up:
-                got = inbox.recv()
-                if got is None:
-                    break
-                req = got[1]
-                if not isinstance(req, m.GenerateRequest) or not 0 <= req.reply_to < n_agents:
-                    inbox.drop("wrong_type" if not isinstance(req, m.GenerateRequest) else "bad_reply_to",
-                               type(req).__name__)
-                    continue
-                reply_of[req.request_id] = req.reply_to
-                (waiting.append if req.min_version > engine.version else engine.add_request)(req)
+            backed_up = any(r.full for r in (*replies, *gw_out))
+            # Gateway requests first: a person (or an agent) is waiting on each of them.
+            for j, rx in [*enumerate(gw_in), (None, inbox)]:
+                while engine.free_slots > len(waiting) and not backed_up:
+                    got = rx.recv()
+                    if got is None:
+                        break
+                    req = got[1]
+                    if not isinstance(req, m.GenerateRequest) or (j is None and not 0 <= req.reply_to < n_agents):
+                        rx.drop("wrong_type" if not isinstance(req, m.GenerateRequest) else "bad_reply_to",
+                                type(req).__name__)
+                        continue
+                    if req.request_id in reply_of:  # a resend of what we already run
+                        continue
+                    reply_of[req.request_id] = req.reply_to if j is None else -1 - j
+                    (waiting.append if req.min_version > engine.version else engine.add_request)(req)
             shell.inflight = engine.running_ids + [r.request_id for r in waiting]
             finished = engine.step() if engine.running_ids else []
             for comp in finished:
-                replies[reply_of.pop(comp.request_id, 0)].offer(comp.request_id, comp, (int(comp.versions.min(initial=0)),))
+                to = reply_of.pop(comp.request_id, 0)
+                (replies[to] if to >= 0 else gw_out[-1 - to]).offer(
+                    comp.request_id, comp, (int(comp.versions.min(initial=0)),))
                 shell.metrics.inc("samples")
                 shell.metrics.inc("tokens", int(comp.output_ids.size))
                 line = steplog.add(comp)
                 if line:
                     shell.log.info("step", **line, version=engine.version)
-            for r in replies:
+            for r in (*replies, *gw_out):
                 r.flush()
             shell.metrics.gauge("running", len(engine.running_ids))
             shell.metrics.gauge("queue.waiting_version", len(waiting))
             if not engine.running_ids:
-                poller.poll(POLL_MS if not any(r.pending for r in replies) else 5)
+                poller.poll(POLL_MS if not any(r.pending for r in (*replies, *gw_out)) else 5)
     finally:
         shell.close()
     return 0
