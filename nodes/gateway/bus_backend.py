@@ -1,0 +1,142 @@
+"""The gateway's generations from rollout workers over the bus.
+
+Each rollout worker connects a DEALER named by its node id to the gateway's ROUTER (channel ``gwork``),
+so the gateway can address a worker: requests of one session go to the same worker while it lives
+(sticky, so its prefix cache stays useful), new sessions go to the least loaded live worker. Workers
+are known from their heartbeats on the hub. A request whose worker dies (or that no worker answers
+within a deadline) is sent to another worker under the same id; a late duplicate answer is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import time
+import uuid
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from areal_bus import messages as m
+from areal_bus.codec import DecodeError, Encoder, decode
+from nodes.gateway.backend import SamplingParams
+
+REQUEST_DEADLINE_S = 120.0
+"""A request unanswered this long is sent to another worker. Generation of a few thousand tokens
+takes seconds on a GPU; two minutes only fires for a worker that is stuck without being dead."""
+
+NO_WORKER_WAIT_S = 30.0
+"""How long a request waits for any rollout worker to be alive before the client gets an error."""
+
+
+class NoWorker(RuntimeError):
+    """No rollout worker is alive: the client gets a 503 with this message."""
+
+
+class BusBackend:
+    def __init__(self, ctx: zmq.Context, endpoint: str, encoder: Encoder, metrics, version_fn=lambda: 0):
+        self.actx = zmq.asyncio.Context.shadow(ctx)
+        self.sock = self.actx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown worker raises instead of dropping
+        self.sock.linger = 0
+        self.sock.bind(endpoint)
+        self.encoder = encoder
+        self.metrics = metrics
+        self.version_fn = version_fn
+        self.live: set[str] = set()
+        self.load: collections.Counter[str] = collections.Counter()
+        self.sticky: dict[str, str] = {}
+        self.pending: dict[str, tuple[asyncio.Future, str, list, float]] = {}
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        self._task: asyncio.Task | None = None
+
+    # -- workers -----------------------------------------------------------------------------------
+    def set_live(self, workers: set[str]) -> None:
+        """The live rollout workers, from the hub. Requests held by a worker that left are resent."""
+        gone = self.live - workers
+        self.live = set(workers)
+        for session, worker in list(self.sticky.items()):
+            if worker in gone:
+                del self.sticky[session]
+        if gone:
+            for rid, (fut, worker, frames, _) in list(self.pending.items()):
+                if worker in gone and not fut.done():
+                    self._send(rid, fut, frames, session=None)
+
+    def _pick(self, session: str | None) -> str:
+        if session and self.sticky.get(session) in self.live:
+            return self.sticky[session]
+        worker = min(sorted(self.live), key=lambda w: self.load[w])
+        if session:
+            self.sticky[session] = worker
+        return worker
+
+    def _send(self, rid: str, fut: asyncio.Future, frames: list, session: str | None) -> None:
+        for _ in range(len(self.live)):
+            worker = self._pick(session)
+            try:
+                self.sock.send_multipart([worker.encode(), *frames], flags=zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:  # not connected (yet, or any more): try the next one
+                self.live.discard(worker)
+                if session:
+                    self.sticky.pop(session, None)
+                continue
+            old = self.pending.get(rid)
+            if old is not None:
+                self.load[old[1]] -= 1
+            self.pending[rid] = (fut, worker, frames, time.monotonic())
+            self.load[worker] += 1
+            return
+        raise NoWorker("no rollout worker is reachable")
+
+    # -- the Backend protocol ----------------------------------------------------------------------
+    async def generate(self, session_id: str, prompt_ids: np.ndarray, params: SamplingParams) -> m.Completion:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._recv_loop())
+        waited = 0.0
+        while not self.live:
+            if waited >= NO_WORKER_WAIT_S:
+                raise NoWorker(f"no rollout worker alive after {NO_WORKER_WAIT_S:.0f} s")
+            await asyncio.sleep(0.1)
+            waited += 0.1
+        rid = f"gw-{self._prefix}-{next(self._ids)}"
+        req = m.GenerateRequest(
+            request_id=rid, episode_id=session_id or rid, ticket=0, min_version=0, max_tokens=params.max_tokens,
+            temperature=params.temperature, top_p=params.top_p, prompt_ids=np.asarray(prompt_ids, np.int32),
+            stop=list(params.stop_token_ids))
+        frames = self.encoder.encode(req, (self.version_fn(),))
+        fut = asyncio.get_running_loop().create_future()
+        self._send(rid, fut, frames, session_id or None)
+        try:
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(fut), REQUEST_DEADLINE_S)
+                except asyncio.TimeoutError:
+                    self.metrics.inc("gateway.resent")
+                    self._send(rid, fut, frames, None)
+        finally:
+            entry = self.pending.pop(rid, None)
+            if entry is not None:
+                self.load[entry[1]] -= 1
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                _, comp = decode(frames[1:])
+            except DecodeError as err:
+                self.metrics.inc(f"dropped.{err.reason}")
+                continue
+            entry = self.pending.get(getattr(comp, "request_id", ""))
+            if not isinstance(comp, m.Completion) or entry is None or entry[0].done():
+                self.metrics.inc("gateway.unexpected_replies")
+                continue
+            entry[0].set_result(comp)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.sock.close(0)
