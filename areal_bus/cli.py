@@ -7,6 +7,9 @@
   areal-bus probe [--topology T] [--json]           attach to a running system, print throughput
   areal-bus plot --log-dir logs --metric reward     loss|reward|throughput|staleness curve as a PNG
   areal-bus run-end [--program trainer]             supervisord event listener: stop when training ends
+  areal-bus check-channel --config configs/router.yaml --model policy_model
+                                                    one request through the model router: the reply,
+                                                    or one line naming the failure and its fix
 """
 
 from __future__ import annotations
@@ -82,6 +85,28 @@ def cmd_run_end(args) -> int:
     return listen(args.program)
 
 
+# -- check-channel (model router) -------------------------------------------------------------------
+def cmd_check_channel(args) -> int:
+    import structlog
+
+    from areal_bus.logs import render_line
+    from areal_bus.router import ModelRouter, RouterConfigError, RouterError, load_router_config, reply_text
+
+    # Quiet by default so a failure is exactly one line; --verbose shows the routed/retry log lines.
+    log = structlog.wrap_logger(structlog.PrintLogger(sys.stderr), processors=[render_line]).bind(_tag="router") \
+        if args.verbose else structlog.wrap_logger(structlog.ReturnLogger())
+    try:
+        router = ModelRouter(load_router_config(args.config), log=log)
+        reply = router.chat_sync(args.model, {"messages": [{"role": "user", "content": args.prompt}]})
+    except (RouterConfigError, RouterError) as err:
+        print(f"check-channel: {err}", file=sys.stderr)
+        return 1
+    text = reply_text(reply)
+    print(text if text else json.dumps(reply["choices"][0], separators=(",", ":")))
+    return 0
+# -- end check-channel ------------------------------------------------------------------------------
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="areal-bus", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -113,6 +138,13 @@ def main(argv=None) -> int:
     e = sub.add_parser("run-end", help="supervisord event listener that ends the run with the trainer")
     e.add_argument("--program", default="trainer")
     e.set_defaults(fn=cmd_run_end)
+    cc = sub.add_parser("check-channel", help="send one request through the model router (configs/router.yaml)")
+    cc.add_argument("--config", default="configs/router.yaml", help="router YAML")
+    cc.add_argument("--model", default="policy_model", help="a role (policy_model, reward_model, judge_model) "
+                    "or a configured model_id")
+    cc.add_argument("--prompt", default="Say hi", help="the user message sent")
+    cc.add_argument("-v", "--verbose", action="store_true", help="also print the router's log lines (stderr)")
+    cc.set_defaults(fn=cmd_check_channel)
     args = p.parse_args(argv)
     if args.cmd == "plot" and args.output is None:
         args.output = str(Path(args.log_dir) / f"{args.metric}.png")

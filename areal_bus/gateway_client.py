@@ -69,19 +69,21 @@ def host_port(url: str) -> tuple[str, int]:
     return parts.hostname or "?", parts.port or (443 if parts.scheme == "https" else 80)
 
 
-def describe_unreachable(url: str, reason: str, timeout: float | None = None) -> tuple[str, str]:
-    """(what, fix) for a base_url nobody answers on. ``reason``: refused / dns / timeout / other text."""
+def describe_unreachable(url: str, reason: str, timeout: float | None = None, config: str = "") -> tuple[str, str]:
+    """(what, fix) for a base_url nobody answers on. ``reason``: refused / dns / timeout / other text;
+    ``config``: the router YAML the base_url came from, if any."""
     host, port = host_port(url)
+    base_url = f"api_gateway.base_url in {config}" if config else "base_url"
     if reason == "refused":
         return (f"cannot reach {host}:{port} (connection refused: nothing listens on that port)",
-                f"start the gateway or fix base_url; `{GATEWAY_STATUS_CMD}` says whether it runs and "
+                f"start the gateway or fix {base_url}; `{GATEWAY_STATUS_CMD}` says whether it runs and "
                 f"{GATEWAY_LOG} why it stopped; if it was just started it may still be loading, retry in a few seconds")
     if reason == "dns":
-        return f"cannot resolve host {host!r} of {url}", "fix the host name in base_url"
+        return f"cannot resolve host {host!r} of {url}", f"fix the host name in {base_url}"
     if reason == "timeout":
         return (f"{host}:{port} did not accept a connection within {timeout:g} s",
-                "check the host and port in base_url, and that no firewall drops the connection")
-    return f"cannot reach {host}:{port} ({reason})", f"check base_url, and `{GATEWAY_STATUS_CMD}`"
+                f"check the host and port in {base_url}, and that no firewall drops the connection")
+    return f"cannot reach {host}:{port} ({reason})", f"check {base_url}, and `{GATEWAY_STATUS_CMD}`"
 
 
 def http_problem(status: int, body, *, url: str = "", model: str = "", key_env: str = "", config: str = "",
@@ -97,14 +99,17 @@ def http_problem(status: int, body, *, url: str = "", model: str = "", key_env: 
     if status in (401, 403):
         var = f"${key_env}" if key_env else "the key's environment variable"
         ref = f"${{{key_env}}}" if key_env else "${NAME}"
-        facts = f" ({key_facts})" if key_facts else ""
-        return ("unauthorized", f"{status} Invalid API key{where}{facts}",
+        if key_facts:  # the caller already ruled out an unset variable, a literal and whitespace
+            return ("unauthorized", f"{status} Invalid API key{where} ({key_facts})",
+                    f"the upstream does not accept that key: export {key_env or 'NAME'}=<the gateway's key> in "
+                    f"this shell (api_gateway.api_key{in_file} reads {ref}, as it should)")
+        return ("unauthorized", f"{status} Invalid API key{where}",
                 f"is {var} set in this shell to the gateway's key (export {key_env or 'NAME'}=...)? does "
                 f"api_gateway.api_key{in_file} read {ref} rather than a literal key? does the key carry stray "
                 f"whitespace or a newline?")
     if status == 404:
         if "model" in shown.lower():
-            knob = f"set {field}{in_file}" if field else "use"
+            knob = f"set {field}{in_file} to" if field else "use"
             return ("unknown_model", f"404 unknown model id {model!r}{where} (body: {shown})",
                     f"{knob} a model id the upstream serves (GET <base_url>/models lists them)")
         return ("upstream", f"404 Not Found{where} (body: {shown})",

@@ -5,15 +5,39 @@ pseudo-random score per episode, the same however often it is retried). Trajecto
 carry a reward (an agent that scored its own episode) pass through unchanged. The node keeps what it
 forwarded until the trainer acknowledges it, and resends if the trainer restarts.
 
+Two more sources are set in the reward node's own config (``nodes.reward.config`` in the topology),
+which, when it names a ``reward_source``, takes precedence over ``agent.reward_source``:
+
+    nodes:
+      reward:
+        config:
+          reward_source: judge               # an LLM judge through the model router
+          router_config: configs/router.yaml # its judge_model route; the key from ${AREAL_BUS_API_KEY}
+          rubric: "..."                      # optional; {task} and {transcript} are filled in
+          score_scale: 10                    # the judge scores 0..score_scale; reward = score / scale
+      # or
+          reward_source: reward_model        # a local Hugging Face sequence-classification checkpoint
+          model_path: models/my-rm           # reward = sigmoid(logit)
+          device: cpu
+
+A judge reply with no number in it scores 0 and is counted (metric ``judge_unparsed``). A judge that
+cannot be reached raises RouterError (one line naming the failure and its fix) and stops the node:
+scoring 0 by default would silently train on wrong rewards.
+
 Run: areal-bus node reward --topology topology/default.yaml --replica 0
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import re
 import time
+from pathlib import Path
+from typing import Literal
 
 import zmq
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from areal_bus import messages as m
 from areal_bus.channels import Receiver, ReliableSender, open_socket
@@ -40,13 +64,174 @@ class Scorer:
         return traj
 
 
-def make_scorer(topo, base=None) -> Scorer:
+# -- reward_source judge / reward_model (from nodes.reward.config) ----------------------------------
+DEFAULT_RUBRIC = """You are grading one episode of an AI agent working on a task.
+
+Task:
+{task}
+
+Transcript of the agent's turns and the environment's replies:
+{transcript}
+
+Score 0-10: 10 means the task was fully solved, 0 means no progress. Reply with the score first
+(for example "Score: 7"), then one sentence saying why."""
+
+
+class RewardNodeConfig(BaseModel):
+    """``nodes.reward.config``: how the reward node scores, when it is not the task's rule."""
+
+    model_config = ConfigDict(extra="forbid")
+    reward_source: Literal["rule", "passthrough", "judge", "reward_model"] | None = Field(
+        None, description="Overrides agent.reward_source. judge: an LLM judge through the router; "
+        "reward_model: a local sequence-classification checkpoint.")
+    router_config: str = Field("configs/router.yaml", description="judge: the router YAML (relative to the "
+                               "supervisord.conf's folder).")
+    judge_model: str = Field("judge_model", description="judge: the route (role or model_id) asked.")
+    rubric: str = Field(DEFAULT_RUBRIC, min_length=1, description="judge: the prompt; {task} and {transcript} "
+                        "are replaced by the episode's task statement and text.")
+    score_scale: float = Field(10.0, gt=0, description="judge: the top of the judge's scale; reward = score / scale, "
+                               "clipped to [0, 1].")
+    model_path: str | None = Field(None, description="reward_model: a Hugging Face sequence-classification "
+                                   "checkpoint (relative to the supervisord.conf's folder).")
+    device: str = Field("cpu", description="reward_model: torch device.")
+    max_length: int = Field(2048, ge=8, le=1_000_000, description="reward_model: tokens scored (the start is "
+                            "kept, the rest cut).")
+
+
+class EpisodeText:
+    """(task, transcript) of a trajectory: ``meta['task']`` / ``meta['transcript']`` when the agent
+    recorded them, else the prompt and output tokens decoded with the policy's tokenizer."""
+
+    def __init__(self, tokenizer=None):
+        self.tok = tokenizer
+
+    def _decode(self, ids) -> str:
+        if self.tok is None:
+            return f"({int(ids.size)} tokens of a simulated episode)"
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def __call__(self, traj: m.Trajectory) -> tuple[str, str]:
+        task = traj.meta.get("task")
+        transcript = traj.meta.get("transcript")
+        return (task if isinstance(task, str) else self._decode(traj.prompt_ids),
+                transcript if isinstance(transcript, str) else self._decode(traj.output_ids))
+
+
+def parse_score(text: str, scale: float = 10.0) -> float | None:
+    """The first number in ``text`` over ``scale``, clipped to [0, 1]; None if there is none."""
+    found = re.search(r"-?\d+(?:\.\d+)?", text or "")
+    if found is None:
+        return None
+    return min(1.0, max(0.0, float(found.group()) / scale))
+
+
+class Judge:
+    """An LLM judge: asks the router's judge route to grade the episode with ``rubric`` and parses the
+    first number of its reply. Unparseable replies score 0 and are counted in ``unparsed``."""
+
+    def __init__(self, router, rubric: str = DEFAULT_RUBRIC, scale: float = 10.0, route: str = "judge_model",
+                 text_of=None, metrics=None):
+        self.router, self.rubric, self.scale, self.route = router, rubric, scale, route
+        self.text_of = text_of or EpisodeText()
+        self.metrics = metrics
+        self.unparsed = 0
+
+    def prompt(self, traj: m.Trajectory) -> str:
+        task, transcript = self.text_of(traj)
+        if "{task}" not in self.rubric and "{transcript}" not in self.rubric:
+            return f"{self.rubric}\n\nTask:\n{task}\n\nTranscript:\n{transcript}"
+        # str.replace, not str.format: a rubric may well contain other braces (JSON examples).
+        return self.rubric.replace("{task}", task).replace("{transcript}", transcript)
+
+    def __call__(self, traj: m.Trajectory) -> float:
+        from areal_bus.router import reply_text
+
+        reply = self.router.chat_sync(self.route, {"messages": [{"role": "user", "content": self.prompt(traj)}]})
+        score = parse_score(reply_text(reply), self.scale)
+        if score is None:
+            self.unparsed += 1
+            if self.metrics is not None:
+                self.metrics.inc("judge_unparsed")
+            return 0.0
+        return score
+
+
+class RewardModel:
+    """A local scoring model: a Hugging Face sequence-classification checkpoint; reward =
+    sigmoid(logit) of a one-logit head (of a multi-label head: the softmax of the last label)."""
+
+    def __init__(self, path: str | Path, device: str = "cpu", max_length: int = 2048, text_of=None):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.torch = torch
+        self.tok = AutoTokenizer.from_pretrained(str(path))
+        self.model = AutoModelForSequenceClassification.from_pretrained(str(path)).to(device).eval()
+        self.device, self.max_length = device, max_length
+        self.text_of = text_of or EpisodeText()
+
+    def __call__(self, traj: m.Trajectory) -> float:
+        task, transcript = self.text_of(traj)
+        enc = self.tok(f"{task}\n{transcript}", truncation=True, max_length=self.max_length, return_tensors="pt")
+        with self.torch.no_grad():
+            logits = self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits[0].float()
+        if logits.numel() == 1:
+            return 1.0 / (1.0 + math.exp(-float(logits[0])))
+        return float(self.torch.softmax(logits, -1)[-1])
+
+
+def _node_config(topo) -> RewardNodeConfig:
+    try:
+        return RewardNodeConfig.model_validate(topo.node_config("reward"))
+    except ValidationError as err:
+        from areal_bus.topology import TopologyError
+
+        problems = "; ".join(f"nodes.reward.config.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise TopologyError(problems) from None
+
+
+def _resolve(path: str, base) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() else (base or Path.cwd()) / p
+
+
+def _episode_text(topo, base) -> EpisodeText:
     if topo.agent.framework == "sim":
-        return Scorer(topo.agent.reward_source)
+        return EpisodeText()
+    from areal_bus.tasks.runner import load_tokenizer
+
+    return EpisodeText(load_tokenizer(topo.model_path(base)))
+
+
+def make_scorer(topo, base=None, metrics=None, log=None) -> Scorer:
+    """The scorer for ``nodes.reward.config.reward_source``, else ``agent.reward_source``. ``metrics``
+    counts unparseable judge replies; ``log`` gets the router's per-request lines."""
+    cfg = _node_config(topo)
+    source = cfg.reward_source or topo.agent.reward_source
+    if source == "judge":
+        from areal_bus.router import ModelRouter, load_router_config
+
+        router = ModelRouter(load_router_config(_resolve(cfg.router_config, base)), log=log)
+        router.cfg.route(cfg.judge_model)  # an unknown route fails at start, not on the first episode
+        return Scorer(source, Judge(router, cfg.rubric, cfg.score_scale, cfg.judge_model,
+                                    _episode_text(topo, base), metrics))
+    if source == "reward_model":
+        if not cfg.model_path:
+            from areal_bus.topology import TopologyError
+
+            raise TopologyError("nodes.reward.config.model_path: reward_source reward_model needs a checkpoint path")
+        return Scorer(source, RewardModel(_resolve(cfg.model_path, base), cfg.device, cfg.max_length,
+                                          _episode_text(topo, base)))
+    return _rule_scorer(topo, source, base)
+
+
+def _rule_scorer(topo, source: str, base=None) -> Scorer:
+    if topo.agent.framework == "sim":
+        return Scorer(source)
     from areal_bus.tasks.runner import GuessDriver, load_tokenizer, verify
 
     driver = GuessDriver(load_tokenizer(topo.model_path(base)), n=topo.agent.task_size, max_turns=topo.agent.max_turns)
-    return Scorer(topo.agent.reward_source, lambda traj: verify(driver, traj))
+    return Scorer(source, lambda traj: verify(driver, traj))
 
 
 def run(topo, replica: int = 0, base=None) -> int:
@@ -56,8 +241,8 @@ def run(topo, replica: int = 0, base=None) -> int:
     push = open_socket(shell.ctx, zmq.PUSH, shell.endpoint("train"), bind=False, hwm=topo.queue_max_size)
     sender = ReliableSender(push, shell.encoder, shell.metrics, "out", capacity=topo.queue_max_size)
     inbox = Receiver(pull, shell.metrics, shell.log)
-    scorer = make_scorer(topo, base)
-    shell.announce_start(reward_source=topo.agent.reward_source)
+    scorer = make_scorer(topo, base, metrics=shell.metrics, log=shell.log)
+    shell.announce_start(reward_source=scorer.source)
     shell.start_heartbeat()
     poller = zmq.Poller()
     poller.register(shell.sub, zmq.POLLIN)
