@@ -55,6 +55,9 @@ class AgentConfig(_Strict):
                                                "prompts for the simulated engines; 'guess': the built-in "
                                                "guess-the-number game (multi-turn, higher/lower feedback).")
     max_turns: int = Field(1, ge=1, le=1000, description="Turns per episode.")
+    via: Literal["bus", "gateway"] = Field("bus", description="How the agent reaches the policy: 'bus' (generation "
+                                           "requests straight to rollout workers) or 'gateway' (the stock openai "
+                                           "SDK against the gateway node, as a user's agent would).")
     reward_source: Literal["rule", "passthrough"] = Field(
         "rule", description="'rule': the task's verifier scores each trajectory; 'passthrough': keep the agent's reward.")
     task_size: int = Field(16, ge=2, le=1_000_000, description="guess: the secret is in 1..task_size.")
@@ -184,6 +187,9 @@ class Topology(_Strict):
             raise ValueError("rollout_engine.kind and trainer_engine.kind must both be 'sim' or both 'torch'")
         if (self.agent.framework == "sim") != (self.rollout_engine.kind == "sim"):
             raise ValueError("agent.framework 'sim' goes with the sim engines, a real task with the torch engines")
+        if self.agent.via == "gateway" and (self.replicas("gateway") < 1 or self.agent.framework != "guess"):
+            raise ValueError("agent.via 'gateway' needs a gateway node (nodes.gateway) and a real task "
+                             "(agent.framework 'guess')")
         for kind in ("bus", "trainer", "weights"):
             spec = self.nodes.get(kind)
             if spec is not None and spec.replicas not in (None, 1):
@@ -193,13 +199,16 @@ class Topology(_Strict):
 
     # -- derived ------------------------------------------------------------------------------
     def replicas(self, kind: str) -> int:
-        """Processes of ``kind`` this topology runs."""
+        """Processes of ``kind`` this topology runs. A kind listed under ``nodes`` without replicas runs
+        one (rollout: rollout_workers); the optional kinds (gateway, probe) run only when listed."""
         spec = self.nodes.get(kind)
         if spec is not None and spec.replicas is not None:
             return spec.replicas
         if kind == "rollout":
             return self.rollout_workers
-        return {"probe": 0, "gateway": 0}.get(kind, 1)
+        if kind in ("gateway", "probe"):
+            return 1 if spec is not None else 0
+        return 1
 
     def node_config(self, kind: str) -> dict:
         spec = self.nodes.get(kind)

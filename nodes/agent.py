@@ -180,6 +180,10 @@ def downstream(topo, shell) -> list[str]:
 
 
 def run(topo, replica: int = 0, base=None) -> int:
+    if topo.agent.via == "gateway":
+        from nodes.agent_gateway import run as run_via_gateway
+
+        return run_via_gateway(topo, replica, base)
     shell = NodeShell(topo, "agent", replica, base=base, watch=("rollout", "reward", "trainer"),
                       topics=(m.TOPIC_VERSION, m.TOPIC_TRAJ_ACK, m.TOPIC_RUN))
     shell.install_signal_handlers()

@@ -1,0 +1,124 @@
+"""Gateway node: the HTTP gateway (``app``) wired to the bus.
+
+Policy-model requests go to the rollout workers through ``BusBackend`` (sticky per session); ended
+sessions leave as trajectories to the reward node (or the trainer), kept until the trainer acknowledges
+them and resent if their consumer restarts. New sessions pass the same staleness admission as the agent
+node's episodes (they share the rule's budget); while the system is too far ahead, POST /rl/sessions
+answers 429 with Retry-After. Requests for other models go through the model router when
+``nodes.gateway.config.router_config`` names one.
+
+Run: areal-bus node gateway --topology topology/gateway.yaml
+     (nodes.gateway.config: admin_token: ${AREAL_BUS_ADMIN_TOKEN}, port: 9000, ...)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import zmq
+
+from areal_bus import messages as m
+from areal_bus.admission import Admission
+from areal_bus.channels import ReliableSender, open_socket
+from areal_bus.node import NodeShell
+from nodes.gateway.app import GatewayConfig, make_app, start_server
+from nodes.gateway.bus_backend import BusBackend
+
+HUB_TICK_S = 0.02
+"""How often the event loop drains the hub and flushes the trajectory sender: fast enough that a
+version or an ack is seen within a decode step or two, cheap enough to be invisible in latency."""
+
+ADMISSION_RETRY_S = 1.0
+"""Retry-After for a refused session: about one update on the default, when capacity reopens."""
+
+
+def _admission(topo, replica: int) -> Admission:
+    # Agents and gateways start episodes from one budget: each takes its share of the rule's batch.
+    sources = topo.replicas("agent") + topo.replicas("gateway")
+    return Admission(topo.effective_staleness, topo.effective_trigger, sources, topo.replicas("agent") + replica,
+                     max_batch=topo.global_batch_size)
+
+
+def run(topo, replica: int = 0, base=None) -> int:
+    shell = NodeShell(topo, "gateway", replica, base=base, watch=("rollout", "reward", "trainer"),
+                      topics=(m.TOPIC_VERSION, m.TOPIC_TRAJ_ACK, m.TOPIC_RUN))
+    shell.install_signal_handlers()
+    node_cfg = topo.node_config("gateway")
+    router_path = node_cfg.pop("router_config", None)
+    cfg = GatewayConfig(**{"max_context_tokens": topo.rollout_engine.max_len, **node_cfg})
+    from areal_bus.tasks.runner import load_tokenizer
+
+    tokenizer = load_tokenizer(topo.model_path(base))
+    router = None
+    if router_path:
+        from areal_bus.router import ModelRouter, load_router_config
+
+        router = ModelRouter(load_router_config(router_path), log=shell.log)
+    n_reward = topo.replicas("reward")
+    targets = [shell.endpoint("samples", i) for i in range(n_reward)] if n_reward else [shell.endpoint("train")]
+    consumer_kind = "reward" if n_reward else "trainer"
+    sender = ReliableSender(open_socket(shell.ctx, zmq.PUSH, targets, bind=False, hwm=topo.queue_max_size),
+                            shell.encoder, shell.metrics, "out", capacity=topo.queue_max_size)
+    admission = _admission(topo, replica)
+    emitted: set[str] = set()
+
+    def admit() -> tuple[bool, float]:
+        if admission.capacity(shell.version) > 0:
+            admission.admit(1)
+            return True, 0.0
+        shell.metrics.inc("sessions_refused")
+        return False, ADMISSION_RETRY_S
+
+    def emit(traj: m.Trajectory) -> None:
+        sender.offer(traj.traj_id, traj, (traj.start_version,))
+        emitted.add(traj.traj_id)
+        shell.metrics.inc("samples")
+        shell.metrics.inc("tokens", int(traj.loss_mask.sum()))
+
+    def hub_tick() -> None:
+        for _, msg in shell.drain_hub():
+            if isinstance(msg, m.TrajAck):
+                for ids in (msg.consumed, msg.stale, msg.duplicate):
+                    sender.ack(ids)
+                stale = [t for t in msg.stale if t in emitted]
+                admission.give_back(len(stale))
+                emitted.difference_update(msg.consumed, msg.stale, msg.duplicate)
+            elif isinstance(msg, m.RunState):
+                admission.observe(msg.version, msg.consumed)
+            elif isinstance(msg, m.Event) and msg.name == "peer_restarted" and msg.fields.get("kind") == consumer_kind:
+                shell.log.warning("resent", trajectories=sender.resend(), reason=f"{msg.node_id} restarted")
+        backend.set_live({p.node_id for p in shell.peers.alive("rollout")})
+        sender.flush()
+        shell.metrics.gauge("queue.unacked", len(sender.unacked))
+        shell.metrics.gauge("capacity", admission.capacity(shell.version))
+
+    async def main() -> None:
+        app = make_app(cfg, backend, tokenizer, router=router, emit=emit, admission=admit, log=shell.log)
+        runner = await start_server(app, cfg)
+        shell.announce_start(host=cfg.host, port=cfg.port, policy_model=cfg.policy_model,
+                             router=router_path or "-")
+        shell.start_heartbeat()
+        last_resend = time.monotonic()
+        try:
+            while not shell.stopping.is_set():
+                hub_tick()
+                if time.monotonic() - last_resend > 1.0:
+                    sender.resend_overdue()
+                    last_resend = time.monotonic()
+                await asyncio.sleep(HUB_TICK_S)
+        finally:
+            await runner.cleanup()  # ends no session: open ones expire or end on the next start's sweep
+            if router is not None:
+                await router.close()
+
+    backend = BusBackend(shell.ctx, shell.endpoint("gwork", replica), shell.encoder, shell.metrics,
+                         version_fn=lambda: shell.version)
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    finally:
+        backend.close()
+        shell.close()
+    return 0
