@@ -210,6 +210,12 @@ class Topology(_Strict):
             return 1 if spec is not None else 0
         return 1
 
+    def admission_sources(self) -> list[str]:
+        """The nodes that start episodes, which share the admission rule's budget: agents that reach
+        the rollout workers over the bus, and gateways (whose sessions are episodes)."""
+        agents = [f"agent-{i}" for i in range(self.replicas("agent"))] if self.agent.via == "bus" else []
+        return agents + [f"gateway-{i}" for i in range(self.replicas("gateway"))]
+
     def node_config(self, kind: str) -> dict:
         spec = self.nodes.get(kind)
         return dict(spec.config) if spec is not None else {}

@@ -71,8 +71,9 @@ class EpisodeSource:
         self.topo = topo
         self.replica = replica
         self.driver = driver or SimDriver(topo)
-        self.admission = Admission(topo.effective_staleness, topo.effective_trigger, replicas, replica,
-                                   max_batch=topo.global_batch_size)
+        sources = topo.admission_sources()
+        self.admission = Admission(topo.effective_staleness, topo.effective_trigger, len(sources),
+                                   sources.index(f"agent-{replica}"), max_batch=topo.global_batch_size)
         self.rng = np.random.default_rng(topo.agent.seed * 1000 + replica)
         self.prefix = f"a{replica}-{uuid.uuid4().hex[:8]}"
         self.count = 0

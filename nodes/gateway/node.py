@@ -35,8 +35,8 @@ ADMISSION_RETRY_S = 1.0
 
 def _admission(topo, replica: int) -> Admission:
     # Agents and gateways start episodes from one budget: each takes its share of the rule's batch.
-    sources = topo.replicas("agent") + topo.replicas("gateway")
-    return Admission(topo.effective_staleness, topo.effective_trigger, sources, topo.replicas("agent") + replica,
+    sources = topo.admission_sources()
+    return Admission(topo.effective_staleness, topo.effective_trigger, len(sources), sources.index(f"gateway-{replica}"),
                      max_batch=topo.global_batch_size)
 
 
@@ -71,6 +71,8 @@ def run(topo, replica: int = 0, base=None) -> int:
         return False, ADMISSION_RETRY_S
 
     def emit(traj: m.Trajectory) -> None:
+        if traj.traj_id != traj.episode_id:  # a session's extra branch (n > 1, rewritten history): one more sample
+            admission.admit(1)
         sender.offer(traj.traj_id, traj, (traj.start_version,))
         emitted.add(traj.traj_id)
         shell.metrics.inc("samples")
@@ -108,7 +110,8 @@ def run(topo, replica: int = 0, base=None) -> int:
                     last_resend = time.monotonic()
                 await asyncio.sleep(HUB_TICK_S)
         finally:
-            await runner.cleanup()  # ends no session: open ones expire or end on the next start's sweep
+            await runner.cleanup()  # ends every open session and emits its trajectories
+            sender.flush()  # hand them to ZeroMQ before the context goes (LINGER_MS gives them time)
             if router is not None:
                 await router.close()
 

@@ -1,0 +1,17 @@
+"""Gateway node: the HTTP front door (OpenAI and Anthropic APIs) through which agents join training.
+
+``app`` builds the aiohttp application (``make_app``, ``GatewayConfig``, ``start_server``); ``sessions``
+records each session's tokens and ends it into trajectories; ``chat`` renders conversations through
+the policy's chat template; ``backend`` defines where generations come from; ``bus_backend`` gets them
+from rollout workers; ``node`` wires it all to the bus.
+
+Run: areal-bus node gateway --topology topology/default.yaml --replica 0
+"""
+
+from __future__ import annotations
+
+
+def run(topo, replica: int = 0, base=None) -> int:
+    from nodes.gateway.node import run as run_node
+
+    return run_node(topo, replica, base)

@@ -1,0 +1,583 @@
+"""The Anthropic Messages API on the gateway, as pure translation to and from OpenAI chat.completions.
+
+Claude Code (and anything built on the anthropic SDK) joins training by setting
+``ANTHROPIC_BASE_URL`` to the gateway and ``ANTHROPIC_API_KEY`` to a gateway token. The gateway's app
+owns the HTTP; this module owns only the shapes, so every rule here is testable without a socket:
+
+    POST /v1/messages               body -> to_openai_request -> (the gateway's completion path)
+                                    -> from_openai_response (JSON) or stream_events + format_sse (SSE)
+    POST /v1/messages/count_tokens  body -> count_tokens_request -> count the prompt -> count_tokens_response
+    any failure                     AnthropicError(status, message): reply ``.body`` with ``.status``
+                                    (inside an open stream: format_sse("error", err.body))
+
+Streaming is built from a finished completion: the policy's answer is recorded whole for training
+anyway, and Claude Code only needs the event sequence the SDK's parser accumulates, not early tokens.
+
+    .venv/bin/python -m pytest tests/test_gateway_anthropic.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Annotated, Any, Literal, Mapping, Optional, Union
+
+import structlog
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+
+log = structlog.get_logger().bind(_tag="gateway")
+
+# ---------------------------------------------------------------------------------------------------
+# Errors, in Anthropic's shape (the SDK picks its exception class from the status, and shows the body)
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def error_body(status: int, message: str) -> dict:
+    """Anthropic's error body for an HTTP status: {"type": "error", "error": {"type", "message"}}."""
+    if status in _ERROR_TYPES:
+        kind = _ERROR_TYPES[status]
+    else:
+        kind = "api_error" if status >= 500 else "invalid_request_error"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+class AnthropicError(Exception):
+    """A request the gateway answers with an Anthropic error: reply ``body`` (JSON) with ``status``."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.body = error_body(status, message)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Authentication: which token the client sent, and the messages users need when it is wrong
+
+_KEY_HELP = (
+    "point ANTHROPIC_BASE_URL at the gateway and set ANTHROPIC_API_KEY to the gateway token "
+    "(is it exported in this shell? does the config use ${VAR} rather than a literal?)"
+)
+
+
+def api_key_from_headers(headers: Mapping[str, str]) -> str:
+    """The token a client sent: ``x-api-key`` (ANTHROPIC_API_KEY), else ``Authorization: Bearer``
+    (ANTHROPIC_AUTH_TOKEN). Raises a 401 AnthropicError when there is none, or when it is a claude.ai
+    OAuth login rather than a gateway token."""
+    lower = {k.lower(): v for k, v in headers.items()}
+    key = lower.get("x-api-key")
+    bearer = lower.get("authorization", "")
+    if not key and bearer[:7].lower() == "bearer ":
+        key = bearer[7:]
+    oauth = "oauth-" in lower.get("anthropic-beta", "") or (key or "").startswith("sk-ant-oat")
+    if oauth:
+        raise AnthropicError(
+            401,
+            "Claude Code is authenticating with OAuth (a claude.ai login), not an API key: "
+            + _KEY_HELP + ", then restart claude (run /logout first if it keeps the login).",
+        )
+    if not key:
+        raise AnthropicError(401, "no API key in x-api-key or Authorization: " + _KEY_HELP + ".")
+    return key
+
+
+def invalid_api_key(key: str) -> AnthropicError:
+    """The 401 for a token the gateway does not know. Never echoes the key."""
+    if key != key.strip():
+        why = "the key has leading or trailing whitespace or a newline; strip it"
+    else:
+        why = _KEY_HELP
+    return AnthropicError(401, f"Invalid API key: {why}.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The request, as pydantic models. Fields Claude Code sends that mean nothing to a plain policy model
+# (cache_control, citations, ...) are ignored rather than refused, so new client releases keep working.
+
+
+class _Shape(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+def _as_blocks(value: Any) -> Any:
+    """Content may be a bare string: it means one text block."""
+    if isinstance(value, str):
+        return [{"type": "text", "text": value}]
+    if not isinstance(value, list):
+        raise ValueError("must be a string or a list of content blocks")
+    return value
+
+
+class TextBlock(_Shape):
+    type: Literal["text"] = Field(description="Block kind.")
+    text: str = Field(description="The text; cache_control and citations on it are ignored.")
+
+
+class ImageBlock(_Shape):
+    type: Literal["image"] = Field(description="Block kind; refused: the policy model reads text only.")
+    source: Optional[dict] = Field(None, description="base64 or url source; never read.")
+
+
+class DocumentBlock(_Shape):
+    type: Literal["document"] = Field(description="Block kind; refused: the policy model reads text only.")
+    source: Optional[dict] = Field(None, description="PDF or text source; never read.")
+
+
+class ToolUseBlock(_Shape):
+    type: Literal["tool_use"] = Field(description="Block kind: a call the assistant made.")
+    id: str = Field(min_length=1, description="Call id; the matching tool_result names it in tool_use_id.")
+    name: str = Field(min_length=1, description="Name of the tool called, one of the request's tools.")
+    input: dict[str, Any] = Field(description="Arguments, a JSON object matching the tool's input_schema.")
+
+
+_ResultPart = Annotated[Union[TextBlock, ImageBlock, DocumentBlock], Field(discriminator="type")]
+
+
+class ToolResultBlock(_Shape):
+    type: Literal["tool_result"] = Field(description="Block kind: the outcome of a tool_use.")
+    tool_use_id: str = Field(min_length=1, description="Id of the tool_use block this answers.")
+    content: list[_ResultPart] = Field(default_factory=list, description="The result: a string or text blocks.")
+    is_error: StrictBool = Field(False, description="The tool failed; the text says how.")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _blocks(cls, value: Any) -> Any:
+        return [] if value is None else _as_blocks(value)
+
+
+class ThinkingBlock(_Shape):
+    type: Literal["thinking"] = Field(description="Block kind: earlier extended thinking; dropped.")
+    thinking: str = Field("", description="The reasoning text.")
+
+
+class RedactedThinkingBlock(_Shape):
+    type: Literal["redacted_thinking"] = Field(description="Block kind: encrypted thinking; dropped.")
+
+
+_Block = Annotated[
+    Union[TextBlock, ImageBlock, DocumentBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
+    Field(discriminator="type"),
+]
+
+
+class Message(_Shape):
+    role: Literal["user", "assistant"] = Field(description="Who spoke this turn.")
+    content: list[_Block] = Field(description="A string, or a list of content blocks.")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _blocks(cls, value: Any) -> Any:
+        return _as_blocks(value)
+
+
+class Tool(_Shape):
+    name: str = Field(min_length=1, max_length=128, description="Tool name the model calls it by.")
+    description: Optional[str] = Field(None, description="What the tool does, shown to the model.")
+    input_schema: Optional[dict[str, Any]] = Field(None, description="JSON Schema of the tool's input object.")
+    type: Optional[str] = Field(None, description="'custom' or absent; Anthropic server tools are refused.")
+
+
+class ToolChoiceAuto(_Shape):
+    type: Literal["auto"] = Field(description="The model decides whether to call a tool.")
+    disable_parallel_tool_use: StrictBool = Field(False, description="At most one tool call per turn.")
+
+
+class ToolChoiceAny(_Shape):
+    type: Literal["any"] = Field(description="The model must call some tool.")
+    disable_parallel_tool_use: StrictBool = Field(False, description="Exactly one tool call per turn.")
+
+
+class ToolChoiceTool(_Shape):
+    type: Literal["tool"] = Field(description="The model must call the named tool.")
+    name: str = Field(min_length=1, description="The tool to call, one of the request's tools.")
+    disable_parallel_tool_use: StrictBool = Field(False, description="Exactly one tool call per turn.")
+
+
+class ToolChoiceNone(_Shape):
+    type: Literal["none"] = Field(description="The model must not call tools.")
+
+
+_ToolChoice = Annotated[
+    Union[ToolChoiceAuto, ToolChoiceAny, ToolChoiceTool, ToolChoiceNone], Field(discriminator="type")
+]
+
+
+class Metadata(_Shape):
+    user_id: Optional[str] = Field(None, description="Opaque end-user id; passed on as OpenAI's `user`.")
+
+
+class MessagesRequest(_Shape):
+    """POST /v1/messages. Top-level fields not named here (thinking, context_management, ...) are dropped."""
+
+    model: str = Field(min_length=1, description="Model name the client asked for; echoed back in the reply.")
+    max_tokens: StrictInt = Field(ge=1, description="Most tokens the reply may have.")
+    messages: list[Message] = Field(min_length=1, description="The conversation so far, oldest first.")
+    system: Optional[list[TextBlock]] = Field(None, description="System prompt: a string or text blocks.")
+    tools: Optional[list[Tool]] = Field(None, description="Client tools the model may call.")
+    tool_choice: Optional[_ToolChoice] = Field(None, description="How the model must use the tools.")
+    temperature: Optional[float] = Field(None, ge=0.0, le=1.0, description="Sampling temperature, 0 to 1.")
+    top_p: Optional[float] = Field(None, ge=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: Optional[StrictInt] = Field(None, ge=0, description="Accepted and dropped: not an OpenAI parameter.")
+    stop_sequences: Optional[list[str]] = Field(None, description="Strings that end the reply.")
+    stream: StrictBool = Field(False, description="Reply as server-sent events; read by the caller, not here.")
+    metadata: Optional[Metadata] = Field(None, description="Request metadata; only user_id is used.")
+
+    @field_validator("system", mode="before")
+    @classmethod
+    def _system_blocks(cls, value: Any) -> Any:
+        return value if value is None else _as_blocks(value)
+
+
+# Why a field the client sent does not reach the policy model (logged once per field per process).
+_DROPPED_WHY = {
+    "top_k": "not an OpenAI chat.completions parameter",
+    "thinking": "the policy model answers in plain text; no extended thinking",
+    "cache_control": "no prompt cache behind the gateway",
+    "context_management": "the gateway keeps no server-side context",
+}
+_noted: set[str] = set()
+
+
+def _note_dropped(fields: list[str]) -> None:
+    for name in fields:
+        if name not in _noted:
+            _noted.add(name)
+            why = _DROPPED_WHY.get(name, "not supported by the gateway")
+            log.info("anthropic_field_dropped", field=name, why=why)
+
+
+def _field_path(loc: tuple) -> str:
+    """pydantic's error location as the request path a user can find: messages.1.content.0.input.
+
+    Discriminated unions add the block's type as a step (content.0.tool_use.input); it is dropped."""
+    parts = []
+    for i, step in enumerate(loc):
+        after_content_index = i >= 2 and isinstance(loc[i - 1], int) and loc[i - 2] == "content"
+        if isinstance(step, str) and (after_content_index or (i >= 1 and loc[i - 1] == "tool_choice")):
+            continue
+        parts.append(str(step))
+    return ".".join(parts)
+
+
+def _validate(body: Any) -> MessagesRequest:
+    if not isinstance(body, dict):
+        raise AnthropicError(400, "request body must be a JSON object")
+    try:
+        return MessagesRequest.model_validate(body)
+    except ValidationError as err:
+        problems = []
+        for e in err.errors()[:5]:
+            msg = e["msg"].removeprefix("Value error, ")
+            if e["type"] == "union_tag_not_found":
+                msg = "needs a 'type'"
+            elif e["type"] == "union_tag_invalid":
+                msg = f"unsupported type {e['ctx']['tag']!r} (expected one of {e['ctx']['expected_tags']})"
+            problems.append(f"{_field_path(e['loc'])}: {msg}" if e["loc"] else msg)
+        raise AnthropicError(400, "; ".join(problems)) from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Anthropic request -> OpenAI request
+
+
+def _join(texts) -> str:
+    return "\n".join(texts)
+
+
+def _refuse_media(block, where: str) -> None:
+    if isinstance(block, (ImageBlock, DocumentBlock)):
+        raise AnthropicError(
+            400, f"{where}: {block.type} content is not supported by this gateway (the policy model reads text only)"
+        )
+
+
+def _tool_result_text(block: ToolResultBlock, where: str) -> str:
+    for j, part in enumerate(block.content):
+        _refuse_media(part, f"{where}.content.{j}")
+    text = _join(part.text for part in block.content)
+    # OpenAI tool messages have no error flag; the model still has to see that the call failed.
+    return f"Error: {text}" if block.is_error else text
+
+
+def _user_messages(blocks: list, where: str, known_calls: set[str]) -> list[dict]:
+    """One user turn -> its tool results as role "tool" messages (they must follow the assistant's
+    tool_calls directly), then the user's text, if any."""
+    tools, texts = [], []
+    for j, block in enumerate(blocks):
+        at = f"{where}.content.{j}"
+        _refuse_media(block, at)
+        if isinstance(block, ToolResultBlock):
+            if block.tool_use_id not in known_calls:
+                raise AnthropicError(
+                    400, f"{at}.tool_use_id: '{block.tool_use_id}' does not answer any earlier tool_use block"
+                )
+            tools.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _tool_result_text(block, at)})
+        elif isinstance(block, TextBlock):
+            texts.append(block.text)
+        else:
+            raise AnthropicError(400, f"{at}: {block.type} blocks belong in an assistant message")
+    if not blocks:
+        raise AnthropicError(400, f"{where}.content: a user message must not be empty")
+    return tools + ([{"role": "user", "content": _join(texts)}] if texts else [])
+
+
+def _assistant_message(blocks: list, where: str, known_calls: set[str]) -> dict:
+    texts, calls = [], []
+    for j, block in enumerate(blocks):
+        at = f"{where}.content.{j}"
+        _refuse_media(block, at)
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolUseBlock):
+            known_calls.add(block.id)
+            arguments = json.dumps(block.input, ensure_ascii=False)
+            function = {"name": block.name, "arguments": arguments}
+            calls.append({"id": block.id, "type": "function", "function": function})
+        elif isinstance(block, ToolResultBlock):
+            raise AnthropicError(400, f"{at}: tool_result blocks belong in a user message")
+        else:
+            _note_dropped([block.type])  # thinking: the policy never produced it, nothing to replay
+    message: dict[str, Any] = {"role": "assistant", "content": _join(texts) if texts else None}
+    if calls:
+        message["tool_calls"] = calls
+    elif message["content"] is None:
+        message["content"] = ""
+    return message
+
+
+def _tools(req: MessagesRequest) -> list[dict]:
+    out = []
+    for i, tool in enumerate(req.tools or []):
+        if tool.type not in (None, "custom"):
+            raise AnthropicError(
+                400, f"tools.{i}: server tool '{tool.type}' is not supported by this gateway; only client tools"
+            )
+        if tool.input_schema is None:
+            raise AnthropicError(400, f"tools.{i}.input_schema: Field required")
+        function = {"name": tool.name, "parameters": tool.input_schema}
+        if tool.description is not None:
+            function["description"] = tool.description
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(req: MessagesRequest, out: dict) -> None:
+    choice = req.tool_choice
+    if choice is None:
+        return
+    names = [tool.name for tool in req.tools or []]
+    if choice.type in ("any", "tool") and not names:
+        raise AnthropicError(400, f"tool_choice: type '{choice.type}' needs tools in the request")
+    if choice.type == "auto":
+        out["tool_choice"] = "auto"
+    elif choice.type == "any":
+        out["tool_choice"] = "required"
+    elif choice.type == "none":
+        out["tool_choice"] = "none"
+    else:
+        if choice.name not in names:
+            raise AnthropicError(400, f"tool_choice.name: '{choice.name}' is not one of the request's tools")
+        out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    if getattr(choice, "disable_parallel_tool_use", False) and names:
+        out["parallel_tool_calls"] = False
+
+
+def to_openai_request(body: dict) -> dict:
+    """Validate an Anthropic Messages request and translate it into an OpenAI chat.completions request.
+
+    Never sets ``stream``: the caller reads ``body["stream"]`` and streams from the finished completion.
+    Raises AnthropicError(400) naming the field for anything malformed or unsupported."""
+    req = _validate(body)
+    unknown = sorted(set(body) - set(MessagesRequest.model_fields))
+    _note_dropped(unknown + (["top_k"] if req.top_k is not None else []))
+
+    messages: list[dict] = []
+    if req.system:
+        messages.append({"role": "system", "content": _join(block.text for block in req.system)})
+    known_calls: set[str] = set()
+    # Consecutive turns of one role are kept as they are (the Anthropic API accepts and merges them).
+    for i, message in enumerate(req.messages):
+        where = f"messages.{i}"
+        if message.role == "user":
+            messages.extend(_user_messages(message.content, where, known_calls))
+        else:
+            messages.append(_assistant_message(message.content, where, known_calls))
+
+    out: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": req.max_tokens}
+    if req.temperature is not None:
+        out["temperature"] = req.temperature
+    if req.top_p is not None:
+        out["top_p"] = req.top_p
+    if req.stop_sequences:
+        out["stop"] = list(req.stop_sequences)
+    if req.metadata is not None and req.metadata.user_id:
+        out["user"] = req.metadata.user_id
+    if req.tools:
+        out["tools"] = _tools(req)
+    _tool_choice(req, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# OpenAI completion -> Anthropic message
+
+
+def _first_choice(resp: Any) -> dict:
+    choices = resp.get("choices") if isinstance(resp, dict) else None
+    if not choices or not isinstance(choices[0], dict):
+        shown = json.dumps(resp, ensure_ascii=False, default=str)[:2000]
+        raise AnthropicError(502, f"upstream returned no choices (an error body?): {shown}")
+    return choices[0]
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, list):  # OpenAI content parts
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content or ""
+
+
+def _parse_arguments(arguments: Any) -> dict:
+    """A tool call's JSON arguments as the tool_use input object.
+
+    A policy in training emits broken JSON now and then; passing it on under one key lets the agent
+    report the bad call back to the model (a learning signal) instead of failing the whole request."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments or "{}")
+    except (TypeError, ValueError):
+        parsed = None
+    return parsed if isinstance(parsed, dict) else {"_unparsed_arguments": str(arguments)}
+
+
+def _stop(choice: dict, has_tool_use: bool) -> tuple[str, Optional[str]]:
+    finish = choice.get("finish_reason")
+    if finish == "length":
+        return "max_tokens", None
+    if has_tool_use or finish in ("tool_calls", "function_call"):
+        return "tool_use", None
+    matched = choice.get("stop_reason")  # vLLM names the stop string that ended generation here
+    if finish == "stop" and isinstance(matched, str):
+        return "stop_sequence", matched
+    if finish == "content_filter":
+        return "refusal", None
+    return "end_turn", None
+
+
+def _message_id(resp: dict) -> str:
+    rid = str(resp.get("id") or uuid.uuid4().hex)
+    return rid if rid.startswith("msg_") else "msg_" + rid.removeprefix("chatcmpl-")
+
+
+def from_openai_response(resp: dict, model: str) -> dict:
+    """An OpenAI chat.completion as an Anthropic Message: text first, then one tool_use per tool call
+    (same ids), stop_reason from finish_reason, usage from prompt/completion tokens. ``model`` is the
+    name the client asked for. Raises AnthropicError(502) showing the body when it has no choices."""
+    choice = _first_choice(resp)
+    message = choice.get("message") or {}
+    content: list[dict] = []
+    text = _text_of(message.get("content"))
+    if text:
+        content.append({"type": "text", "text": text})
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        content.append({
+            "type": "tool_use",
+            "id": call.get("id") or "toolu_" + uuid.uuid4().hex[:24],
+            "name": function.get("name", ""),
+            "input": _parse_arguments(function.get("arguments")),
+        })
+    stop_reason, stop_sequence = _stop(choice, any(block["type"] == "tool_use" for block in content))
+    usage = resp.get("usage") or {}
+    return {
+        "id": _message_id(resp),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": {
+            "input_tokens": int(usage.get("prompt_tokens") or 0),
+            "output_tokens": int(usage.get("completion_tokens") or 0),
+        },
+    }
+
+
+def stream_events(resp: dict, model: str) -> list[tuple[str, dict]]:
+    """The server-sent events of a streamed Anthropic reply carrying the finished completion ``resp``:
+    message_start, per block content_block_start / content_block_delta / content_block_stop,
+    message_delta (stop_reason, output tokens), message_stop. Write each with format_sse."""
+    message = from_openai_response(resp, model)
+    start = dict(message, content=[], stop_reason=None, stop_sequence=None,
+                 usage={"input_tokens": message["usage"]["input_tokens"], "output_tokens": 0})
+    events: list[tuple[str, dict]] = [("message_start", {"type": "message_start", "message": start})]
+    for index, block in enumerate(message["content"]):
+        if block["type"] == "text":
+            opening = {"type": "text", "text": ""}
+            delta = {"type": "text_delta", "text": block["text"]}
+        else:
+            opening = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
+            # The parsed input, re-serialised: the SDK parses the concatenated partial_json, so it
+            # must be valid JSON even when the model's own arguments were not.
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
+        events += [
+            ("content_block_start", {"type": "content_block_start", "index": index, "content_block": opening}),
+            ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}),
+            ("content_block_stop", {"type": "content_block_stop", "index": index}),
+        ]
+    events.append(("message_delta", {
+        "type": "message_delta",
+        "delta": {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]},
+        "usage": {"output_tokens": message["usage"]["output_tokens"]},
+    }))
+    events.append(("message_stop", {"type": "message_stop"}))
+    return events
+
+
+def format_sse(event: str, data: dict) -> bytes:
+    """One server-sent event as bytes: ``event: <name>\\ndata: <json>\\n\\n``."""
+    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {event}\ndata: {payload}\n\n".encode("utf-8")
+
+
+# ---------------------------------------------------------------------------------------------------
+# POST /v1/messages/count_tokens (Claude Code's /context uses it; optional for a gateway)
+
+
+def count_tokens_request(body: dict) -> dict:
+    """A count_tokens body (a Messages request without max_tokens) validated and translated like
+    to_openai_request, minus max_tokens: render its messages and tools with the policy's chat template
+    and count, or use estimate_tokens. Answer with count_tokens_response."""
+    if not isinstance(body, dict):
+        raise AnthropicError(400, "request body must be a JSON object")
+    req = to_openai_request({"max_tokens": 1, **body})
+    req.pop("max_tokens")
+    return req
+
+
+def count_tokens_response(input_tokens: int) -> dict:
+    """The count_tokens reply body."""
+    return {"input_tokens": int(input_tokens)}
+
+
+# Characters per token for English and code under common BPE vocabularies; an estimate, for a gateway
+# that has no tokenizer at hand.
+_CHARS_PER_TOKEN = 4
+
+
+def estimate_tokens(openai_request: dict) -> int:
+    """A rough prompt size for count_tokens when no tokenizer is loaded: characters / 4."""
+    text = json.dumps(openai_request.get("messages", []), ensure_ascii=False)
+    text += json.dumps(openai_request.get("tools", []), ensure_ascii=False)
+    return max(1, len(text) // _CHARS_PER_TOKEN)

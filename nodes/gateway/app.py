@@ -1,0 +1,651 @@
+"""The gateway's HTTP server: OpenAI (and Anthropic) chat APIs in front of the policy, with RL sessions.
+
+An agent joins training by pointing its SDK at the gateway: ``base_url=http://HOST:9000/v1`` and
+``api_key=<session key>``. Routes (each also under ``/gateway``):
+
+    POST /v1/chat/completions      OpenAI chat completions: JSON or SSE, n, tools, stop, usage
+    GET  /v1/models[/{id}]         the policy model (and the router's models, if one is given)
+    POST /v1/messages              Anthropic Messages, translated by anthropic_api (Claude Code)
+    POST /v1/messages/count_tokens Anthropic token count, with the policy's template
+    POST /rl/sessions              admin token: open a session (an episode); returns its key
+    GET  /rl/sessions/{id}         admin token or the session key: where the session stands
+    POST /rl/sessions/{id}/reward  reward one completion or the whole session (optional discount)
+    POST /rl/sessions/{id}/end     end it: its trajectories go to ``emit`` (see sessions.py)
+    GET  /health                   liveness, no key needed
+
+Who may call: the admin token works everywhere (chat calls with it are served but not recorded: handy
+for smoke tests); a session key works for chat calls (recorded into its session) and for its own
+session's /rl routes. Policy requests go to ``backend`` (backend.Backend); other models go to
+``router.chat(model, request)`` when a router is given, else 404 model_not_found.
+
+Recording never depends on the client: a turn's generation and its recording run in a task of their
+own, which a disconnect does not cancel. Sessions idle longer than ``session_idle_timeout_s`` are
+ended by a sweeper; at shutdown every open session is ended (``end_reason`` "shutdown") and emitted.
+
+Build and serve (the gateway node's ``run`` does this with the bus backend)::
+
+    app = make_app(GatewayConfig(admin_token=..., max_context_tokens=1024), backend, tokenizer, emit=send)
+    runner = await start_server(app, cfg)            # binds host:port; GatewayStartError if it cannot
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import errno
+import hmac
+import json
+import math
+import secrets
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from nodes.gateway import anthropic_api
+from nodes.gateway.backend import Backend, SamplingParams
+from nodes.gateway.chat import ChatError, ChatRenderer, canonical, parse_tool_calls
+from nodes.gateway.openai_api import (SSE_DONE, ChatRequest, OpenAIError, completion_response, error_body,
+                                      model_card, parse_chat_request, reward_fields, router_error, sse,
+                                      stream_chunks, token_logprobs)
+from nodes.gateway.sessions import Choice, Session, SessionStore
+
+EXPIRY_SWEEP_MAX_S = 1.0
+"""The idle sweeper runs at least this often (more often for short timeouts: a quarter of the timeout),
+so a session ends within ~1 s of its idle deadline at the cost of one dict scan per second."""
+
+KEY_HELP = ("Check: is the environment variable holding the key set in this shell (echo ${#VAR} prints "
+            "its length)? Does the config say ${VAR} rather than a literal? Is there stray whitespace or a "
+            "newline in the key? Session keys come from POST /rl/sessions; the admin token is "
+            "$AREAL_BUS_ADMIN_TOKEN of the shell that started the gateway.")
+
+
+class GatewayConfig(BaseModel):
+    """The gateway node's settings (``nodes.gateway.config`` in the topology)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Address to listen on; loopback by default (0.0.0.0 exposes it).")
+    port: int = Field(9000, ge=0, le=65535, description="TCP port; 0 picks a free one (tests).")
+    admin_token: str = Field(min_length=8, description="Token for opening sessions and for unrecorded calls. "
+                             "Write ${AREAL_BUS_ADMIN_TOKEN} in the topology, never a literal.")
+    policy_model: str = Field("policy", min_length=1, description="The model id agents send for the policy "
+                              "being trained; any other id goes to the router (or is a 404).")
+    max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="Largest request body; larger is a 413.")
+    max_sessions: int = Field(1000, ge=1, le=1_000_000, description="Open sessions at most; past it "
+                              "POST /rl/sessions is a 429 until some end or expire.")
+    session_idle_timeout_s: float = Field(300.0, gt=0, le=7 * 86400, description="A session with no request "
+                                          "for this long is ended (its trajectory emitted as it stands).")
+    max_context_tokens: int | None = Field(None, ge=2, description="Prompt + output tokens per sequence (the "
+                                           "engine's max_len). None: ask the backend (max_context_tokens).")
+    default_max_tokens: int | None = Field(None, ge=1, description="Completion budget when a request names "
+                                           "none. None: the rest of the context, as OpenAI's API does.")
+
+    @field_validator("admin_token")
+    @classmethod
+    def _token(cls, v: str) -> str:
+        if "${" in v:
+            raise ValueError("looks like an unexpanded ${VAR}: export the variable in the shell that renders "
+                             "and starts the run")
+        if v != v.strip():
+            raise ValueError("has leading or trailing whitespace (a newline from a file?); strip it")
+        return v
+
+
+class GatewayStartError(RuntimeError):
+    """The server could not start listening; the message says why and what to do."""
+
+
+GATEWAY = web.AppKey("gateway", object)
+"""``app[GATEWAY]``: the Gateway behind an application (its store, backend and renderer)."""
+
+_ENDED_WHY = {"idle": "idle for longer than session_idle_timeout_s", "ended": "ended by POST /rl/sessions/{id}/end",
+              "shutdown": "the gateway shut down"}
+
+ADMIN = object()
+"""The principal of a request made with the admin token."""
+
+
+@dataclass(slots=True)
+class _Out:
+    """One choice after the gateway's post-processing."""
+    completion: object  # areal_bus.messages.Completion, cut at a string stop
+    message: dict
+    finish_reason: str
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, emit=None,
+                 admission=None, log=None):
+        self.cfg = cfg
+        self.backend = backend
+        self.tok = tokenizer
+        self.renderer = ChatRenderer(tokenizer)
+        self.router = router
+        self.emit = emit
+        self.admission = admission
+        self.log = log if log is not None else structlog.get_logger().bind(_tag="gateway")
+        ctx = cfg.max_context_tokens or getattr(backend, "max_context_tokens", None)
+        if not ctx:
+            raise ValueError("GatewayConfig.max_context_tokens is not set and the backend does not say "
+                             "(set it to the engine's max_len)")
+        self.max_context = int(ctx)
+        self.store = SessionStore(cfg.max_sessions, cfg.session_idle_timeout_s)
+        self.jobs: dict[str, set[asyncio.Task]] = {}
+        self.unemitted: list = []
+        self._sweeper: asyncio.Task | None = None
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    async def read_json(self, request: web.Request):
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise OpenAIError(413, f"Request body is larger than the gateway's limit of {self.cfg.max_body_bytes} "
+                              f"bytes (max_body_bytes in the gateway config).", code="request_too_large") from None
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise OpenAIError(400, f"We could not parse the JSON body of your request ({exc}). The body must be "
+                              f"a JSON object.", code="invalid_json") from None
+
+    def principal(self, request: web.Request, key: str | None = None):
+        """ADMIN, a live Session, or a 401 saying what to check. Keys never appear in a message or log."""
+        if key is None:
+            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+            if scheme and scheme.lower() != "bearer":
+                raise OpenAIError(401, "The Authorization header must be 'Bearer <key>'.", code="invalid_api_key")
+        if not key.strip():
+            raise OpenAIError(401, "You didn't provide an API key. Pass the session key (or the admin token) as the "
+                              "api_key: the SDK sends it as 'Authorization: Bearer <key>'. " + KEY_HELP,
+                              code="invalid_api_key")
+        if key != key.strip():
+            raise OpenAIError(401, "Invalid API key: it has leading or trailing whitespace or a newline; strip it. "
+                              + KEY_HELP, code="invalid_api_key")
+        if hmac.compare_digest(key.encode(), self.cfg.admin_token.encode()):
+            return ADMIN
+        session, why = self.store.authenticate(key)
+        if session is not None:
+            return session
+        if why != "invalid":
+            sid = key.rpartition(".")[0]
+            raise OpenAIError(401, f"Session {sid} has ended ({_ENDED_WHY.get(why, why)}); its key is no longer "
+                              f"valid. Open a new session with POST /rl/sessions.", code="session_ended")
+        literal = " The key is the literal text '${...}': it was never expanded." if key.startswith("${") else ""
+        raise OpenAIError(401, f"Invalid API key.{literal} " + KEY_HELP, code="invalid_api_key")
+
+    def _session_for(self, request: web.Request) -> Session:
+        """The session named in the path, for the admin or that session's own key."""
+        who = self.principal(request)
+        sid = request.match_info["sid"]
+        session = self.store.get(sid)
+        if who is not ADMIN and (session is None or who is not session):
+            raise OpenAIError(403, f"This key does not belong to session {sid}.", code="forbidden")
+        if session is None:
+            gone = self.store.ended.get(sid)
+            raise OpenAIError(404 if gone is None else 409,
+                              f"No open session {sid}" + (f" (it ended: {gone[1]})." if gone else "."),
+                              code="session_not_found" if gone is None else "session_ended")
+        return session
+
+    def _emit(self, trajectories) -> None:
+        pending, self.unemitted = [*self.unemitted, *trajectories], []
+        for traj in pending:
+            try:
+                if self.emit is not None:
+                    self.emit(traj)
+            except Exception as exc:  # deliberately tolerated: kept and retried at the next sweep
+                self.log.error("emit_failed", traj=traj.traj_id, error=repr(exc))
+                self.unemitted.append(traj)
+
+    async def end_session(self, session: Session, reason: str, reward: float | None = None) -> list:
+        """Wait for the session's in-flight turns (their completions are recorded), then end it."""
+        session.closing = True
+        jobs = list(self.jobs.get(session.id, ()))
+        if jobs:
+            await asyncio.gather(*jobs, return_exceptions=True)
+        trajs = self.store.end(session, reason, reward)
+        self.jobs.pop(session.id, None)
+        self._emit(trajs)
+        self.log.info("session_ended", session=session.id, reason=reason, trajectories=len(trajs),
+                      completions=session.completions, tokens=sum(int(t.loss_mask.sum()) for t in trajs))
+        return trajs
+
+    async def sweep(self) -> None:
+        interval = min(EXPIRY_SWEEP_MAX_S, self.cfg.session_idle_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            trajs = self.store.expire_idle()
+            for sid in {t.episode_id for t in trajs}:
+                self.jobs.pop(sid, None)
+                self.log.info("session_expired", session=sid, idle_timeout_s=self.cfg.session_idle_timeout_s)
+            if trajs or self.unemitted:
+                self._emit(trajs)
+
+    async def on_startup(self, app) -> None:
+        self._sweeper = asyncio.get_running_loop().create_task(self.sweep())
+
+    async def on_shutdown(self, app) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for session in list(self.store.sessions.values()):
+            await self.end_session(session, "shutdown")
+
+    # -- chat completions -----------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.monotonic()
+        self.principal(request)  # a bad key is a 401 before anything else is looked at
+        data = await self.read_json(request)
+        who = self.principal(request)  # again: the session may have ended while the body arrived
+        req = parse_chat_request(data)
+        if req.model != self.cfg.policy_model:
+            resp = await self.routed(req.model, data, t0)
+        else:
+            resp, _ = await self.complete(req, who, t0, stream_to=request if req.stream else None)
+            if req.stream:
+                return resp
+        if req.stream:
+            return await self._stream(request, resp, None, bool(req.stream_options and req.stream_options.include_usage))
+        return web.json_response(resp)
+
+    async def routed(self, model: str, data: dict, t0: float) -> dict:
+        if self.router is None:
+            raise OpenAIError(404, f"The model '{model}' does not exist on this gateway; it serves "
+                              f"'{self.cfg.policy_model}' (the policy being trained).", code="model_not_found",
+                              param="model")
+        body = {k: v for k, v in data.items() if k not in ("stream", "stream_options")}
+        try:
+            resp = await self.router.chat(model, body)
+        except Exception as exc:
+            if not hasattr(exc, "status") or not hasattr(exc, "body"):
+                raise
+            raise router_error(model, exc) from None
+        if not isinstance(resp, dict) or not resp.get("choices"):
+            shown = json.dumps(resp, default=str)[:2000]
+            raise OpenAIError(502, f"The upstream for '{model}' returned a response without choices: {shown}",
+                              type="upstream_error", code="no_choices")
+        self.log.info("request", route="chat", model=model, routed_to="router",
+                      ms=round((time.monotonic() - t0) * 1000))
+        return resp
+
+    async def complete(self, req: ChatRequest, who, t0: float, stream_to: web.Request | None = None):
+        """Serve a policy request: (response dict or the finished SSE response, choices)."""
+        session = who if isinstance(who, Session) else None
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        history = [canonical(m) for m in messages]
+        tools_key = json.dumps(tools, sort_keys=True) if tools else ""
+        base = self.store.match(session, history, tools_key) if session is not None else None
+        try:
+            if base is not None:
+                env_ids = self.renderer.continuation_ids(messages[len(base.history):], tools, base.closed)
+                prompt = np.concatenate([base.next_prompt(), np.asarray(env_ids, dtype=np.int32)])
+            else:
+                env_ids = None
+                prompt = np.asarray(self.renderer.prompt_ids(messages, tools), dtype=np.int32)
+        except ChatError as exc:
+            raise OpenAIError(400, str(exc), param=exc.param, code="invalid_messages") from None
+        if prompt.size >= self.max_context:
+            raise OpenAIError(400, f"This model's maximum context length is {self.max_context} tokens. However, "
+                              f"your messages resulted in {prompt.size} tokens"
+                              f"{' (the session so far included)' if base is not None else ''}. Please reduce "
+                              f"the length of the messages.", param="messages", code="context_length_exceeded")
+        room = self.max_context - int(prompt.size)
+        wanted = req.max_completion_tokens or req.max_tokens or self.cfg.default_max_tokens or room
+        stops = req.stops
+        temperature = 1.0 if req.temperature is None else float(req.temperature)
+        params = SamplingParams(max_tokens=min(wanted, room), temperature=temperature,
+                                top_p=1.0 if req.top_p is None else float(req.top_p),
+                                stop_token_ids=tuple(self.renderer.stop_token_ids(stops)))
+        parse_tools = bool(tools) and req.tool_choice != "none"
+        n = req.n or 1
+
+        if session is not None:
+            self.store.begin(session)
+        job = asyncio.get_running_loop().create_task(
+            self._generate_and_record(session, base, prompt, env_ids, history, tools_key, n, params, stops,
+                                      parse_tools))
+        if session is not None:
+            self.jobs.setdefault(session.id, set()).add(job)
+        stream = None
+        if stream_to is not None:  # headers now; the text follows when the whole completion is back
+            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await stream.prepare(stream_to)
+        try:
+            outs, indices = await asyncio.shield(job)  # a disconnect cancels us, never the recording
+        except ValueError as exc:  # the backend refused the request
+            err = OpenAIError(400, f"The engine refused the request: {exc}", code="invalid_request")
+            if stream is None:
+                raise err from None
+            await _write_quietly(stream, sse(err.body()) + SSE_DONE)
+            return stream, []
+        except Exception as exc:  # the backend failed (no rollout worker, engine error): not the client's doing
+            err = OpenAIError(503, f"The policy backend could not generate: {exc}", type="server_error",
+                              code="backend_unavailable")
+            if stream is None:
+                raise err from None
+            await _write_quietly(stream, sse(err.body()) + SSE_DONE)
+            return stream, []
+
+        rid = f"chatcmpl-{session.id}-{indices[0]}" if session is not None else f"chatcmpl-{secrets.token_hex(12)}"
+        choices = []
+        for out in outs:
+            choice = {"message": out.message, "finish_reason": out.finish_reason}
+            if req.logprobs:
+                ids, lps = out.completion.output_ids, out.completion.logprobs
+                keep = ids.size - (1 if ids.size and int(ids[-1]) == self.renderer.eos_id else 0)
+                choice["logprobs"] = token_logprobs(self.tok, ids[:keep], lps[:keep])
+            choices.append(choice)
+        completion_tokens = sum(int(o.completion.output_ids.size) for o in outs)
+        resp = completion_response(rid, req.model, choices, int(prompt.size), completion_tokens)
+        self.log.info("request", route="chat", model=req.model, routed_to="policy",
+                      session=session.id if session is not None else "-", prompt_tokens=int(prompt.size),
+                      completion_tokens=completion_tokens, n=n, stream=bool(stream_to),
+                      ms=round((time.monotonic() - t0) * 1000))
+        if stream is not None:
+            pieces = [self.renderer.text_pieces(o.completion.output_ids, o.message.get("content") or "") for o in outs]
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return await self._stream(stream_to, resp, pieces, include_usage, stream), outs
+        return resp, outs
+
+    async def _generate_and_record(self, session, base, prompt, env_ids, history, tools_key, n, params, stops,
+                                   parse_tools):
+        try:
+            sid = session.id if session is not None else ""
+            results = await asyncio.gather(*(self.backend.generate(sid, prompt, params) for _ in range(n)),
+                                           return_exceptions=True)
+            comps = [r for r in results if not isinstance(r, BaseException)]
+            outs = [self._postprocess(c, stops, parse_tools) for c in comps]
+            indices = []
+            if session is not None and outs:
+                choices = [Choice(o.completion, o.message, _closed(o.completion, self.renderer.eos_id),
+                                  (*history, canonical(o.message)), params.temperature) for o in outs]
+                indices = self.store.record(session, base, prompt, env_ids, tools_key, choices)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]
+            return outs, indices
+        finally:
+            if session is not None:
+                self.store.finish(session)
+                jobs = self.jobs.get(session.id)
+                if jobs is not None:
+                    jobs.discard(asyncio.current_task())
+
+    def _postprocess(self, comp, stops: list[str], parse_tools: bool) -> _Out:
+        ids = comp.output_ids
+        if stops:
+            keep, text, stopped = self.renderer.apply_stop(ids, stops)
+            if keep < ids.size:
+                comp = dataclasses.replace(comp, output_ids=ids[:keep], logprobs=comp.logprobs[:keep],
+                                           versions=comp.versions[:keep], finish_reason="stop")
+        else:
+            text, stopped = self.renderer.decode(ids), False
+        content, calls = parse_tool_calls(text) if parse_tools else (text, [])
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        finish = "tool_calls" if calls else "stop" if stopped else comp.finish_reason
+        return _Out(comp, message, finish)
+
+    async def _stream(self, request, resp: dict, pieces, include_usage: bool,
+                      stream: web.StreamResponse | None = None) -> web.StreamResponse:
+        if stream is None:
+            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await stream.prepare(request)
+        body = b"".join(sse(c) for c in stream_chunks(resp, pieces, include_usage)) + SSE_DONE
+        await _write_quietly(stream, body)
+        return stream
+
+    # -- models -----------------------------------------------------------------------------------
+
+    def model_ids(self) -> list[str]:
+        ids = [self.cfg.policy_model]
+        routes = getattr(getattr(self.router, "cfg", None), "routes", None)
+        if callable(routes):
+            for route in routes().values():
+                if route.model_id not in ids:
+                    ids.append(route.model_id)
+        return ids
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        self.principal(request)
+        return web.json_response({"object": "list", "data": [model_card(m) for m in self.model_ids()]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        self.principal(request)
+        model = request.match_info["model"]
+        if model not in self.model_ids():
+            raise OpenAIError(404, f"The model '{model}' does not exist on this gateway.", code="model_not_found",
+                              param="model")
+        return web.json_response(model_card(model))
+
+    # -- Anthropic --------------------------------------------------------------------------------
+
+    async def anthropic_messages(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.monotonic()
+        try:
+            who = self._anthropic_principal(request)
+            body = await self.read_json(request)
+            who = self._anthropic_principal(request)
+            if not isinstance(body, dict):
+                raise anthropic_api.AnthropicError(400, "request body must be a JSON object")
+            oa = anthropic_api.to_openai_request(body)
+            model = oa["model"]
+            if model != self.cfg.policy_model:
+                resp = await self.routed(model, oa, t0)
+            else:
+                resp, _ = await self.complete(parse_chat_request(oa), who, t0)
+        except OpenAIError as err:
+            hint = " (Claude Code: set ANTHROPIC_MODEL to it)" if err.code == "model_not_found" else ""
+            raise anthropic_api.AnthropicError(err.status, err.message + hint) from None
+        if body.get("stream"):
+            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await stream.prepare(request)
+            events = anthropic_api.stream_events(resp, model)
+            await _write_quietly(stream, b"".join(anthropic_api.format_sse(e, d) for e, d in events))
+            return stream
+        return web.json_response(anthropic_api.from_openai_response(resp, model))
+
+    async def anthropic_count_tokens(self, request: web.Request) -> web.Response:
+        try:
+            self._anthropic_principal(request)
+            body = await self.read_json(request)
+            oa = anthropic_api.count_tokens_request(body)
+            req = parse_chat_request({**oa, "max_tokens": 1})
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            n = len(self.renderer.prompt_ids(messages, tools))
+        except ChatError as exc:
+            raise anthropic_api.AnthropicError(400, str(exc)) from None
+        except OpenAIError as err:
+            raise anthropic_api.AnthropicError(err.status, err.message) from None
+        return web.json_response(anthropic_api.count_tokens_response(n))
+
+    def _anthropic_principal(self, request: web.Request):
+        key = anthropic_api.api_key_from_headers(request.headers)
+        try:
+            return self.principal(request, key)
+        except OpenAIError as err:
+            if err.code == "invalid_api_key":
+                raise anthropic_api.invalid_api_key(key) from None
+            raise anthropic_api.AnthropicError(err.status, err.message) from None
+
+    # -- sessions ---------------------------------------------------------------------------------
+
+    async def create_session(self, request: web.Request) -> web.Response:
+        if self.principal(request) is not ADMIN:
+            raise OpenAIError(403, "Opening a session needs the admin token ($AREAL_BUS_ADMIN_TOKEN), not a "
+                              "session key.", code="forbidden")
+        body = await self.read_json(request) or {}
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "The body must be a JSON object (or empty).", code="invalid_body")
+        meta, group_id = body.get("meta", {}), body.get("group_id", "")
+        if not isinstance(meta, dict):
+            raise OpenAIError(400, "Invalid value for 'meta': must be an object.", param="meta", code="invalid_value")
+        if not isinstance(group_id, str):
+            raise OpenAIError(400, "Invalid value for 'group_id': must be a string.", param="group_id",
+                              code="invalid_value")
+        if len(self.store.sessions) >= self.cfg.max_sessions:  # before admission, which counts the session
+            raise OpenAIError(429, f"{len(self.store.sessions)} sessions are open (max_sessions="
+                              f"{self.cfg.max_sessions}); end finished sessions, or wait for idle ones to expire "
+                              f"(after {self.cfg.session_idle_timeout_s:g} s).", type="rate_limit_error",
+                              code="too_many_sessions", headers={"Retry-After": "1"})
+        if self.admission is not None:
+            ok, retry_after = self.admission()
+            if not ok:
+                wait = max(0.0, float(retry_after))
+                raise OpenAIError(429, f"Not admitting new sessions: rollout is as far ahead of training as "
+                                  f"staleness_threshold allows. Retry after {wait:.1f} s.", type="rate_limit_error",
+                                  code="staleness_limit",
+                                  headers={"Retry-After": str(max(1, math.ceil(wait))),
+                                           "retry-after-ms": str(int(wait * 1000))})
+        session, key = self.store.create(meta=meta, group_id=group_id)
+        self.log.info("session_opened", session=session.id, open=len(self.store.sessions))
+        return web.json_response({"session_id": session.id, "api_key": key, "model": self.cfg.policy_model,
+                                  "idle_timeout_s": self.cfg.session_idle_timeout_s}, status=201)
+
+    async def get_session(self, request: web.Request) -> web.Response:
+        s = self._session_for(request)
+        return web.json_response({
+            "session_id": s.id, "completions": s.completions, "branches": len(s.branches),
+            "segments": s.segments, "inflight": s.inflight,
+            "idle_s": round(self.store.clock() - s.last_active, 3), "reward": s.outcome,
+            "completion_rewards": {str(k): v for k, v in s.rewards.items()}, "discount": s.discount})
+
+    async def reward_session(self, request: web.Request) -> web.Response:
+        session = self._session_for(request)
+        body = await self.read_json(request)
+        value, index, discount = reward_fields(body, session.id)
+        try:
+            self.store.reward(session, value, index, discount)
+        except KeyError as exc:
+            raise OpenAIError(404, exc.args[0], param="completion_index", code="completion_not_found") from None
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), code="invalid_value") from None
+        return web.json_response({"session_id": session.id, "completion_index": index, "reward": value,
+                                  "discount": session.discount})
+
+    async def end(self, request: web.Request) -> web.Response:
+        session = self._session_for(request)
+        body = await self.read_json(request)
+        if body:  # optional: a last reward ({"reward": ..., "completion_index"?: ..., "discount"?: ...})
+            value, index, discount = reward_fields(body, session.id)
+            try:
+                self.store.reward(session, value, index, discount)
+            except KeyError as exc:
+                raise OpenAIError(404, exc.args[0], param="completion_index", code="completion_not_found") from None
+            except ValueError as exc:
+                raise OpenAIError(400, str(exc), code="invalid_value") from None
+        trajs = await self.end_session(session, "ended")
+        return web.json_response({"session_id": session.id, "trajectories": [t.traj_id for t in trajs],
+                                  "completions": session.completions})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "sessions": len(self.store.sessions),
+                                  "policy_model": self.cfg.policy_model})
+
+
+def _closed(comp, eos_id: int) -> bool:
+    return comp.output_ids.size > 0 and int(comp.output_ids[-1]) == eos_id
+
+
+async def _write_quietly(stream: web.StreamResponse, data: bytes) -> None:
+    """Write the rest of a stream; a client that left is not an error (what it asked for is recorded)."""
+    try:
+        await stream.write(data)
+        await stream.write_eof()
+    except (ConnectionError, RuntimeError):
+        pass
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """Every error in the API's own shape: Anthropic's under /messages, OpenAI's everywhere else."""
+    anthropic = request.path.rstrip("/").endswith("/messages") or "/messages/" in request.path
+    try:
+        return await handler(request)
+    except OpenAIError as err:
+        request.app[GATEWAY].log.info("request_refused", route=request.path, status=err.status, code=err.code)
+        if anthropic:
+            return web.json_response(anthropic_api.error_body(err.status, err.message), status=err.status)
+        return web.json_response(err.body(), status=err.status, headers=err.headers)
+    except anthropic_api.AnthropicError as err:
+        request.app[GATEWAY].log.info("request_refused", route=request.path, status=err.status)
+        return web.json_response(err.body, status=err.status)
+    except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
+        if exc.status < 400:
+            raise
+        message = {404: f"Unknown route {request.method} {request.path}. The gateway serves /v1/chat/completions, "
+                        "/v1/models, /v1/messages and /rl/sessions (also under /gateway).",
+                   405: f"Method {request.method} is not allowed on {request.path}.",
+                   413: "Request body too large."}.get(exc.status, exc.reason)
+        if anthropic:
+            return web.json_response(anthropic_api.error_body(exc.status, message), status=exc.status)
+        return web.json_response(error_body(message, code={404: "unknown_url", 405: "method_not_allowed",
+                                                           413: "request_too_large"}.get(exc.status)),
+                                 status=exc.status)
+    except Exception as exc:  # deliberately tolerated: a bug of ours is a 500 in the API's shape, not a drop
+        request.app[GATEWAY].log.error("internal_error", route=request.path, error=repr(exc))
+        message = f"The gateway failed to handle the request ({type(exc).__name__}: {exc}); see the gateway log."
+        if anthropic:
+            return web.json_response(anthropic_api.error_body(500, message), status=500)
+        return web.json_response(error_body(message, "server_error"), status=500)
+
+
+def make_app(cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, emit=None, admission=None,
+             log=None) -> web.Application:
+    """The gateway as an aiohttp application.
+
+    backend: serves the policy (``backend.Backend``). tokenizer: the policy's HF tokenizer (chat
+    template). router: ``await router.chat(model, request) -> response`` for other models (raises with
+    ``.status`` / ``.body`` on failure). emit: ``emit(trajectory)`` for each ended session's
+    trajectories, called on the event loop's thread (must not block; an exception keeps the trajectory
+    for a retry at the next sweep). admission: ``admission() -> (ok, retry_after_s)``, consulted once
+    per POST /rl/sessions (ok means the session is admitted: count it then). log: a structlog logger.
+    """
+    gw = Gateway(cfg, backend, tokenizer, router=router, emit=emit, admission=admission, log=log)
+    app = web.Application(middlewares=[_errors], client_max_size=cfg.max_body_bytes)
+    app[GATEWAY] = gw
+    for prefix in ("", "/gateway"):
+        app.router.add_post(f"{prefix}/v1/chat/completions", gw.chat_completions)
+        app.router.add_get(f"{prefix}/v1/models", gw.list_models)
+        app.router.add_get(f"{prefix}/v1/models/{{model}}", gw.get_model)
+        app.router.add_post(f"{prefix}/v1/messages", gw.anthropic_messages)
+        app.router.add_post(f"{prefix}/v1/messages/count_tokens", gw.anthropic_count_tokens)
+        app.router.add_post(f"{prefix}/rl/sessions", gw.create_session)
+        app.router.add_get(f"{prefix}/rl/sessions/{{sid}}", gw.get_session)
+        app.router.add_post(f"{prefix}/rl/sessions/{{sid}}/reward", gw.reward_session)
+        app.router.add_post(f"{prefix}/rl/sessions/{{sid}}/end", gw.end)
+        app.router.add_get(f"{prefix}/health", gw.health)
+    app.on_startup.append(gw.on_startup)
+    app.on_shutdown.append(gw.on_shutdown)
+    return app
+
+
+async def start_server(app: web.Application, cfg: GatewayConfig) -> web.AppRunner:
+    """Listen on cfg.host:cfg.port (``bound_port(runner)`` says which, for port 0). GatewayStartError
+    with what to do if the port is taken or the address is wrong."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        if exc.errno == errno.EADDRINUSE:
+            raise GatewayStartError(f"gateway cannot listen on {cfg.host}:{cfg.port}: the port is in use (another "
+                                    f"gateway still running? `ss -ltnp | grep :{cfg.port}` shows who); stop it or "
+                                    f"set nodes.gateway.config.port") from None
+        raise GatewayStartError(f"gateway cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}") from None
+    return runner
+
+
+def bound_port(runner: web.AppRunner) -> int:
+    return runner.addresses[0][1]

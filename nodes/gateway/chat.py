@@ -1,0 +1,268 @@
+"""Chat messages <-> token ids: the chat template, the no-re-tokenisation rule, tool calls, stops.
+
+``ChatRenderer`` wraps a Hugging Face tokenizer with a chat template:
+
+- ``prompt_ids(messages, tools)``: a whole conversation (OpenAI format: system / developer / user /
+  assistant with tool_calls / tool) rendered by the template, ending with the assistant header.
+- ``continuation_ids(new_messages, tools, closed)``: for turn k > 1 of a session, ONLY the tokens
+  that follow the previous assistant turn's sampled ids: the template's end of that turn, the new
+  messages and the next assistant header. Found as ``areal_bus.tasks.guess.render_env_turn`` does:
+  render ``[assistant "\\x00", *new_messages]`` and take the text after the marker's eos. The
+  session's next prompt is then ``recorded ids + these``, never a re-tokenisation of sampled text.
+- ``parse_tool_calls(text)``: Qwen-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+  blocks in the model's output -> OpenAI ``tool_calls``.
+- ``apply_stop(ids, stops)``: where string stops cut a completion, in text and in sampled ids.
+
+Tools with a template that ignores them (the shipped tiny model's ChatML template renders only role
+and content): the tool definitions are written into the system message in Qwen2.5's layout (a
+``<tools>`` block of JSON signatures and the ``<tool_call>`` reply format), an assistant turn's
+tool_calls become ``<tool_call>`` blocks in its content, and a tool result becomes a user turn
+``<tool_response>\\n...\\n</tool_response>``. Templates that know tools (Qwen2.5, Qwen3, Llama 3.1)
+get them through ``apply_chat_template(..., tools=...)`` and render them their own way.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+
+from jinja2 import TemplateError
+
+MARKER = "\x00"
+"""A character no template or message contains: locates the end of the previous assistant turn."""
+
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "areal_probe_fn", "description": "probe", "parameters": {"type": "object", "properties": {}}}}
+
+TOOLS_SYSTEM_TEXT = (
+    "# Tools\n\nYou may call one or more functions to help with the user's request.\n\n"
+    "The available functions are listed as JSON signatures inside <tools></tools> tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "To call a function, reply with a JSON object holding its name and arguments inside "
+    "<tool_call></tool_call> tags, one block per call:\n"
+    "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+"""System text describing tools for a template that ignores ``tools=`` (Qwen2.5's layout)."""
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+class ChatError(ValueError):
+    """A conversation the template cannot render (bad shape for this model): a 400 for the client."""
+
+    def __init__(self, message: str, param: str | None = "messages"):
+        super().__init__(message)
+        self.param = param
+
+
+def message_text(content) -> str:
+    """The text of an OpenAI message content: a string, a list of text parts, or None."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text") or "" for part in content)
+
+
+def _canonical_args(arguments) -> str:
+    """Tool-call arguments in one spelling, so a client that re-serialises them still matches."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return arguments
+    return json.dumps(arguments, sort_keys=True, separators=(",", ":"))
+
+
+def canonical(message: dict) -> tuple:
+    """What must be equal for a message the client sends back to be the one that was recorded: role,
+    text and tool calls (name and arguments; not the call ids, which clients may rewrite)."""
+    role = "system" if message["role"] == "developer" else message["role"]
+    calls = tuple((c["function"]["name"], _canonical_args(c["function"].get("arguments", "{}")))
+                  for c in message.get("tool_calls") or ())
+    return role, message_text(message.get("content")), calls
+
+
+def tool_call_block(name: str, arguments) -> str:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """Split model output into (content, OpenAI tool_calls). All or nothing: if any block is not a
+    JSON object with a "name", the output is returned as plain content with no tool calls, so a
+    garbled call reaches the client (and the reward) as the text the model wrote."""
+    blocks = list(_TOOL_CALL.finditer(text))
+    if not blocks:
+        return text, []
+    calls = []
+    for block in blocks:
+        try:
+            obj = json.loads(block.group(1))
+        except ValueError:
+            return text, []
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return text, []
+        args = obj.get("arguments", obj.get("parameters", {}))
+        calls.append({"id": f"call_{secrets.token_hex(12)}", "type": "function",
+                      "function": {"name": obj["name"],
+                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    rest = _TOOL_CALL.sub("", text).strip()
+    return rest or None, calls
+
+
+class ChatRenderer:
+    """A tokenizer's chat template, used the way the session rule needs it (see the module doc)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        if tokenizer.eos_token is None or tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos token; the gateway needs it to close assistant turns")
+        self.eos = tokenizer.eos_token
+        self.eos_id = int(tokenizer.eos_token_id)
+        hello = [{"role": "user", "content": "hi"}]
+        self.template_tools = "areal_probe_fn" in self._render(hello, [_PROBE_TOOL])
+        self.template_tool_calls = self._renders_tool_calls()
+        after = self._render([{"role": "assistant", "content": MARKER}, *hello], None).split(MARKER, 1)[1]
+        if not after.startswith(self.eos):
+            raise ValueError("the chat template does not end an assistant turn with the eos token "
+                             f"({self.eos!r}); the gateway cannot continue sessions without re-tokenising")
+
+    def _render(self, messages: list[dict], tools: list[dict] | None) -> str:
+        try:
+            return self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                add_generation_prompt=True)
+        except TemplateError as exc:
+            raise ChatError(f"the model's chat template refused this conversation: {exc}") from None
+
+    def _renders_tool_calls(self) -> bool:
+        call = {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "areal_probe_fn", "arguments": {}}}]}
+        try:
+            return "areal_probe_fn" in self._render([{"role": "user", "content": "hi"}, call], [_PROBE_TOOL])
+        except (ChatError, TypeError):
+            return False
+
+    # -- messages as the template gets them -----------------------------------------------------
+
+    def template_messages(self, messages: list[dict], tools: list[dict] | None) -> list[dict]:
+        """OpenAI messages -> what this template can render (see the module doc for the fallback)."""
+        out = []
+        for msg in messages:
+            role, text = msg["role"], message_text(msg.get("content"))
+            if role == "developer":
+                role = "system"
+            if role == "assistant" and msg.get("tool_calls"):
+                calls = msg["tool_calls"]
+                if self.template_tool_calls:
+                    out.append({"role": "assistant", "content": text, "tool_calls": [
+                        {"type": "function", "function": {"name": c["function"]["name"],
+                                                          "arguments": _args_object(c["function"].get("arguments"))}}
+                        for c in calls]})
+                else:
+                    blocks = "\n".join(tool_call_block(c["function"]["name"], c["function"].get("arguments", {}))
+                                       for c in calls)
+                    out.append({"role": "assistant", "content": f"{text}\n{blocks}" if text else blocks})
+            elif role == "tool" and not self.template_tools:
+                out.append({"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"})
+            else:
+                item = {"role": role, "content": text}
+                if role == "tool" and msg.get("tool_call_id"):
+                    item["tool_call_id"] = msg["tool_call_id"]
+                if msg.get("name"):
+                    item["name"] = msg["name"]
+                out.append(item)
+        if tools and not self.template_tools:
+            spec = TOOLS_SYSTEM_TEXT.format(tools="\n".join(json.dumps(t) for t in tools))
+            if out and out[0]["role"] == "system":
+                out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{spec}"}
+            else:
+                out.insert(0, {"role": "system", "content": spec})
+        return out
+
+    def _template_tools(self, tools: list[dict] | None) -> list[dict] | None:
+        return tools if tools and self.template_tools else None
+
+    # -- ids ---------------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(t) for t in ids], skip_special_tokens=True)
+
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """A whole conversation, ready for the assistant's reply."""
+        text = self._render(self.template_messages(messages, tools), self._template_tools(tools))
+        return self.encode(text)
+
+    def continuation_ids(self, new_messages: list[dict], tools: list[dict] | None, closed: bool) -> list[int]:
+        """Ids to append after a recorded assistant turn: its end (an eos first if the sampled ids did
+        not end with one), the new messages and the next assistant header."""
+        convo = [{"role": "assistant", "content": MARKER}, *self.template_messages(new_messages, None)]
+        text = self._render(convo, self._template_tools(tools))
+        after = text[text.index(MARKER) + 1:]
+        ids = self.encode(after[len(self.eos):])
+        return ids if closed else [self.eos_id, *ids]
+
+    def apply_stop(self, ids, stops: list[str]) -> tuple[int, str, bool]:
+        """(ids to keep, text for the client, stopped) for a completion and string stops. The text
+        ends before the earliest stop string (as OpenAI's does); the ids run through the token that
+        completed it, so the record holds exactly what was sampled up to the cut."""
+        text = self.decode(ids)
+        hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+        if not hits:
+            return len(ids), text, False
+        lo, hi = 1, len(ids)  # the smallest prefix whose text already holds a stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if any(s and s in self.decode(ids[:mid]) for s in stops):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo, text[:min(hits)], True
+
+    def stop_token_ids(self, stops: list[str]) -> list[int]:
+        """String stops that are exactly one token: the engine can stop on them by id."""
+        out = []
+        for s in stops:
+            ids = self.encode(s) if s else []
+            if len(ids) == 1:
+                out.append(ids[0])
+        return out
+
+    def text_pieces(self, ids, content: str) -> list[str]:
+        """``content`` cut where token boundaries fall (for streaming deltas); a piece is emitted only
+        when it decodes to whole characters."""
+        pieces, buf = [], []
+        for t in ids:
+            buf.append(int(t))
+            piece = self.decode(buf)
+            if piece and not piece.endswith("\ufffd"):
+                pieces.append(piece)
+                buf = []
+        if buf:
+            pieces.append(self.decode(buf))
+        out, total = [], 0
+        for p in pieces:
+            if total + len(p) > len(content):
+                p = p[:len(content) - total]
+            if p:
+                out.append(p)
+                total += len(p)
+        if "".join(out) != content:  # the text was reshaped (tool calls taken out): one delta
+            return [content] if content else []
+        return out
+
+
+def _args_object(arguments):
+    """HF templates expect tool-call arguments as an object; OpenAI sends a JSON string."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments if arguments is not None else {}

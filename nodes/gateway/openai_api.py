@@ -1,0 +1,285 @@
+"""OpenAI's chat completions API as the gateway speaks it: request schema, error shape, responses.
+
+Requests are validated strictly on the fields we use (a string where a number belongs is a 400 naming
+the field, as OpenAI's own API does) and leniently on the rest: fields this gateway does not act on
+(``seed``, ``user``, ``presence_penalty``, ``response_format``, ...) are accepted and ignored, so SDKs
+and agent frameworks that always send them keep working. Every client error is an ``OpenAIError``,
+rendered as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+MAX_N = 16
+"""Most choices one request may ask for: each is a sequence in the engine's batch."""
+
+MAX_STOPS = 4
+"""OpenAI's own limit on stop sequences."""
+
+
+class OpenAIError(Exception):
+    """An error response in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def error_body(message: str, type: str = "invalid_request_error", param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# -- request schema -------------------------------------------------------------------------------
+
+class _Lenient(BaseModel):
+    # strict: no "5" for 5; extra allowed: fields we do not use are accepted and ignored.
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str | dict = "{}"
+
+
+class ToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text" or self.text is None:
+            raise ValueError(f"only text content parts are supported (got type {self.type!r})")
+        return self
+
+
+class Message(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool | None = None
+
+
+class ChatRequest(_Lenient):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _limits(self):
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "literal"}
+
+
+def _param(loc: tuple) -> str:
+    """pydantic's error location as OpenAI names a parameter: messages[2].content."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in _TYPE_TAGS or part[:1].isupper() or part.startswith("literal["):
+            continue  # a union member's tag, not a field
+        else:
+            out += f".{part}" if out else part
+    return out or "body"
+
+
+def validation_error(err: ValidationError) -> OpenAIError:
+    # The deepest error is the most specific: for a union (content: str | list of parts) it is the
+    # member the input was meant to be.
+    first = max(err.errors(), key=lambda e: len(e["loc"]))
+    param = _param(first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "missing":
+        return OpenAIError(400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+    got = first.get("input")
+    shown = "" if isinstance(got, (dict, list)) else f" (got {json.dumps(got) if _jsonable(got) else type(got).__name__})"
+    return OpenAIError(400, f"Invalid value for '{param}': {msg}{shown}.", param=param, code="invalid_value")
+
+
+def _jsonable(value) -> bool:
+    return isinstance(value, (str, int, float, bool)) or value is None
+
+
+def parse_chat_request(data) -> ChatRequest:
+    if not isinstance(data, dict):
+        raise OpenAIError(400, f"The request body must be a JSON object, got {type(data).__name__}.",
+                          code="invalid_body")
+    try:
+        return ChatRequest.model_validate(data)
+    except ValidationError as err:
+        raise validation_error(err) from None
+
+
+def reward_fields(body, session_id: str) -> tuple[float, int | None, float | None]:
+    """(reward, completion index or None, discount or None) from a POST /rl/sessions/{id}/reward (or /end)
+    body: {"reward": x} for the session, plus "completion_index": k or "completion_id": <response id>
+    (with "choice": i for n > 1) for one completion, and "discount": g for per-turn discounting."""
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "The body must be a JSON object with 'reward'.", code="invalid_body")
+    value = body.get("reward")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OpenAIError(400, "Missing or invalid 'reward': a number is required.", param="reward",
+                          code="invalid_value")
+    discount = body.get("discount")
+    if discount is not None and (isinstance(discount, bool) or not isinstance(discount, (int, float))):
+        raise OpenAIError(400, "Invalid 'discount': a number in (0, 1].", param="discount", code="invalid_value")
+    index = body.get("completion_index")
+    cid = body.get("completion_id")
+    if cid is not None:
+        prefix = f"chatcmpl-{session_id}-"
+        if not isinstance(cid, str) or not cid.startswith(prefix) or not cid[len(prefix):].isdigit():
+            raise OpenAIError(400, f"Invalid 'completion_id': expected a response id of this session "
+                              f"({prefix}<n>).", param="completion_id", code="invalid_value")
+        choice = body.get("choice", 0)
+        if isinstance(choice, bool) or not isinstance(choice, int) or choice < 0:
+            raise OpenAIError(400, "Invalid 'choice': a choice index (>= 0).", param="choice", code="invalid_value")
+        index = int(cid[len(prefix):]) + choice
+    elif index is not None and (isinstance(index, bool) or not isinstance(index, int)):
+        raise OpenAIError(400, "Invalid 'completion_index': an integer.", param="completion_index",
+                          code="invalid_value")
+    return float(value), index, None if discount is None else float(discount)
+
+
+def router_error(model: str, exc) -> OpenAIError:
+    """A RouterError as the client sees it: the upstream's own OpenAI error body and status when it
+    sent one, else a 4xx/5xx saying what failed."""
+    status, body = exc.status, exc.body
+    kind = getattr(exc, "kind", "")
+    if kind == "unknown_model":
+        return OpenAIError(404, f"The model '{model}' does not exist on this gateway: {exc}", code="model_not_found",
+                           param="model")
+    parsed = None
+    if isinstance(body, str):
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            pass
+    elif isinstance(body, dict):
+        parsed = body
+    err = parsed.get("error") if isinstance(parsed, dict) else None
+    code = status if isinstance(status, int) and 400 <= status < 600 else (504 if kind == "timeout" else 502)
+    if isinstance(err, dict) and "message" in err:
+        return OpenAIError(code, str(err["message"]), type=str(err.get("type") or "upstream_error"),
+                           param=err.get("param"), code=err.get("code"))
+    return OpenAIError(code, f"Request to '{model}' failed: {exc}", type="upstream_error", code=kind or None)
+
+
+
+# -- responses ------------------------------------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def token_logprobs(tokenizer, ids, logprobs) -> dict:
+    """OpenAI's ``logprobs`` object for sampled tokens (no alternatives: top_logprobs are empty)."""
+    out = []
+    for t, lp in zip(ids, logprobs):
+        text = tokenizer.decode([int(t)])
+        out.append({"token": text, "logprob": float(lp), "bytes": list(text.encode()), "top_logprobs": []})
+    return {"content": out, "refusal": None}
+
+
+def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens: int,
+                        completion_tokens: int, created: int | None = None) -> dict:
+    """``choices``: dicts with message, finish_reason and optionally logprobs."""
+    return {
+        "id": rid, "object": "chat.completion", "created": created or int(time.time()), "model": model,
+        "choices": [{"index": i, "message": c["message"], "logprobs": c.get("logprobs"),
+                     "finish_reason": c["finish_reason"]} for i, c in enumerate(choices)],
+        "usage": usage(prompt_tokens, completion_tokens),
+        "system_fingerprint": None,
+    }
+
+
+def stream_chunks(resp: dict, pieces: list[list[str]] | None = None, include_usage: bool = False):
+    """A whole chat.completion as OpenAI's stream of chat.completion.chunk objects: per choice a role
+    chunk, content deltas (``pieces[i]``, default the whole content), tool-call deltas, a final chunk
+    with finish_reason; then a usage chunk with empty choices if asked for."""
+    base = {"id": resp["id"], "object": "chat.completion.chunk", "created": resp["created"],
+            "model": resp["model"], "system_fingerprint": None}
+
+    def chunk(index, delta, finish=None, logprobs=None):
+        return {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+    for i, choice in enumerate(resp["choices"]):
+        msg = choice["message"]
+        yield chunk(i, {"role": "assistant", "content": ""})
+        content = msg.get("content") or ""
+        for piece in (pieces[i] if pieces is not None else [content] if content else []):
+            yield chunk(i, {"content": piece})
+        for k, call in enumerate(msg.get("tool_calls") or []):
+            yield chunk(i, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                            "function": call["function"]}]})
+        yield chunk(i, {}, choice["finish_reason"], choice.get("logprobs"))
+    if include_usage:
+        yield {**base, "choices": [], "usage": resp.get("usage")}
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def model_card(model_id: str, owned_by: str = "areal_bus") -> dict:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": owned_by}

@@ -1,0 +1,302 @@
+"""Sessions: an agent's episode, recorded token for token, ended into trajectories. No sockets here.
+
+A session is created by the orchestrator (``POST /rl/sessions`` with the admin token) and gets a key;
+the agent uses the key as its API key. Every completion the policy produces for the session is
+recorded with the exact ids sampled, their log-probabilities and policy versions (the engine's
+``Completion``), between the environment tokens the gateway rendered around them (loss mask 0).
+
+Branches. The record is kept as a set of linear *branches* (the tips of the conversation tree), each
+a first prompt followed by completions and the rendered tokens between them:
+- a turn whose messages extend a branch's history (same messages, same assistant replies as they
+  were returned, same tools) extends that branch, and its prompt is the branch's ids + only the new
+  messages' tokens (chat.ChatRenderer.continuation_ids): no re-tokenisation;
+- a turn that matches no branch (the client rewrote or truncated its history, or changed tools) starts
+  a new *segment*: a fresh prompt, recorded in the same session, flagged ``history_rewritten`` in the
+  trajectory meta;
+- ``n > 1`` forks: each choice becomes a branch, and the one the client continues with is extended;
+  a request that continues from an earlier point of a branch (a retry of a turn already recorded)
+  forks there.
+Ending a session turns every branch into one Trajectory. The usual session (n = 1, history kept) has
+one branch and ends as exactly one trajectory, with ``traj_id`` = the session id; a session with
+several branches ends as ``<session id>-b<i>`` for each, all with ``episode_id`` = the session id.
+Each is trained on as its own sample, so none conditions the policy on tokens it never saw.
+
+Rewards (``reward``): a value for one completion, or for the session (the outcome: it lands on the
+last completion of every branch). With a per-turn ``discount`` g, a branch's turn rewards r_t become
+returns G_t = r_t + g * G_{t+1}; the trajectory's reward is G_0 and the per-turn returns ride in
+``meta["turn_returns"]``. With no reward given at all the trajectory's reward is None, and the reward
+node scores it.
+
+Keys: ``<session id>.<secret>``; only sha256(secret) is stored and compared with
+``hmac.compare_digest``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import secrets
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from areal_bus.episode import EpisodeRecord
+from areal_bus.messages import Completion, Trajectory
+
+ENDED_REMEMBERED = 10_000
+"""Ended sessions whose keys are still recognised, so a late request hears "this session ended"
+instead of "invalid key". A few hundred KB; older ones fall back to "invalid key"."""
+
+
+class SessionLimitError(RuntimeError):
+    """Too many open sessions: the caller should end some, or wait for idle ones to expire."""
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One completion of a turn, as the gateway recorded it and returned it."""
+
+    completion: Completion
+    """The engine's completion, cut after the token that completed a string stop if one did."""
+    message: dict
+    """The assistant message the client got (role, content, tool_calls)."""
+    closed: bool
+    """The sampled ids end with the template's eos (the turn is closed in the record)."""
+    history: tuple
+    """Canonical messages (chat.canonical) the record stands for, this reply included."""
+    temperature: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Branch:
+    """A linear record: a first prompt, then ("env", ids) and ("comp", Completion, index, temperature)
+    parts. Immutable: extending a branch makes a new one, so a concurrent turn can fork from the old."""
+
+    prompt_ids: np.ndarray
+    parts: tuple
+    history: tuple
+    tools_key: str
+    segment: int
+    closed: bool
+    parent: Branch | None = None
+    """The branch this one extended: a request may continue from any earlier point, not just a tip."""
+
+    def next_prompt(self) -> np.ndarray:
+        ids = [p[1].output_ids if p[0] == "comp" else p[1] for p in self.parts]
+        return np.concatenate([self.prompt_ids, *ids]).astype(np.int32, copy=False)
+
+    @property
+    def completion_indices(self) -> list[int]:
+        return [p[2] for p in self.parts if p[0] == "comp"]
+
+
+@dataclass
+class Session:
+    id: str
+    key_hash: bytes
+    created_at: float
+    last_active: float
+    ticket: int
+    group_id: str = ""
+    meta: dict = field(default_factory=dict)
+    branches: list[Branch] = field(default_factory=list)
+    completions: int = 0
+    segments: int = 0
+    rewards: dict[int, float] = field(default_factory=dict)
+    outcome: float | None = None
+    discount: float = 1.0
+    inflight: int = 0
+    closing: bool = False
+    ended: bool = False
+
+
+def _hash(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode()).digest()
+
+
+class SessionStore:
+    def __init__(self, max_sessions: int = 1000, idle_timeout_s: float = 300.0, clock=time.monotonic):
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self.clock = clock
+        self.sessions: dict[str, Session] = {}
+        self.ended: OrderedDict[str, tuple[bytes, str]] = OrderedDict()  # id -> (key hash, why)
+        self._tickets = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def create(self, meta: dict | None = None, group_id: str = "", ticket: int | None = None) -> tuple[Session, str]:
+        """A new session and its key (returned once; only its hash is kept)."""
+        if len(self.sessions) >= self.max_sessions:
+            raise SessionLimitError(f"{len(self.sessions)} sessions are open (max_sessions={self.max_sessions}); "
+                                    f"end finished sessions, or wait for idle ones to expire "
+                                    f"(after {self.idle_timeout_s:g} s)")
+        sid = f"sess-{uuid.uuid4().hex[:20]}"
+        secret = secrets.token_urlsafe(32)
+        now = self.clock()
+        if ticket is None:
+            ticket, self._tickets = self._tickets, self._tickets + 1
+        session = Session(sid, _hash(secret), now, now, ticket, group_id, dict(meta or {}))
+        self.sessions[sid] = session
+        return session, f"{sid}.{secret}"
+
+    def authenticate(self, key: str) -> tuple[Session | None, str]:
+        """(session, "") for a live session's key; (None, why) otherwise: "invalid" or the reason a
+        recently ended session ended ("ended", "idle", ...)."""
+        sid, dot, secret = key.rpartition(".")
+        if not dot:
+            return None, "invalid"
+        digest = _hash(secret)
+        session = self.sessions.get(sid)
+        if session is not None and hmac.compare_digest(digest, session.key_hash):
+            return (session, "") if not session.closing else (None, "ended")
+        gone = self.ended.get(sid)
+        if gone is not None and hmac.compare_digest(digest, gone[0]):
+            return None, gone[1]
+        return None, "invalid"
+
+    def get(self, sid: str) -> Session | None:
+        return self.sessions.get(sid)
+
+    def touch(self, session: Session) -> None:
+        session.last_active = self.clock()
+
+    def begin(self, session: Session) -> None:
+        """A request of this session is in flight: it is not idle until ``finish``."""
+        session.inflight += 1
+        self.touch(session)
+
+    def finish(self, session: Session) -> None:
+        session.inflight -= 1
+        self.touch(session)
+
+    # -- turns ----------------------------------------------------------------------------------
+
+    def match(self, session: Session, history: list[tuple], tools_key: str) -> Branch | None:
+        """The branch this request continues: the longest whose history (ending with an assistant
+        reply as it was returned) is a strict prefix of the request's messages, under the same tools.
+        Earlier points of a branch count too: a request re-sent after its turn was recorded (an SDK
+        retry after a timeout, a "regenerate") forks there instead of starting a new segment."""
+        best, seen = None, set()
+        for tip in session.branches:
+            b = tip
+            while b is not None and id(b) not in seen:
+                seen.add(id(b))
+                n = len(b.history)
+                if b.tools_key == tools_key and n < len(history) and tuple(history[:n]) == b.history \
+                        and (best is None or n > len(best.history)):
+                    best = b
+                b = b.parent
+        return best
+
+    def record(self, session: Session, base: Branch | None, prompt_ids, env_ids, tools_key: str,
+               choices: list[Choice]) -> list[int]:
+        """Fold one turn's choices into the session; their completion indices. ``base`` is the branch
+        the turn continued (``env_ids`` the tokens rendered after it), or None for a new segment whose
+        first prompt is ``prompt_ids``. Called when the backend returns, whether or not the client is
+        still connected."""
+        if session.ended:
+            raise RuntimeError(f"session {session.id} ended before its turn was recorded")
+        if base is None:
+            session.segments += 1
+            segment, prefix = session.segments, ()
+            prompt = np.asarray(prompt_ids, dtype=np.int32)
+        else:
+            segment, prompt = base.segment, base.prompt_ids
+            prefix = (*base.parts, ("env", np.asarray(env_ids, dtype=np.int32)))
+        indices, made = [], []
+        for ch in choices:
+            idx = session.completions
+            session.completions += 1
+            indices.append(idx)
+            made.append(Branch(prompt, (*prefix, ("comp", ch.completion, idx, ch.temperature)), tuple(ch.history),
+                               tools_key, segment, ch.closed, base))
+        if base is not None and any(b is base for b in session.branches):
+            at = next(i for i, b in enumerate(session.branches) if b is base)
+            session.branches[at:at + 1] = made[:1]  # the continued tip is now a prefix of its extension
+            session.branches.extend(made[1:])
+        else:  # a new segment, or a fork from an earlier point (or from a tip a concurrent turn extended)
+            session.branches.extend(made)
+        self.touch(session)
+        return indices
+
+    # -- rewards --------------------------------------------------------------------------------
+
+    def reward(self, session: Session, value: float, completion_index: int | None = None,
+               discount: float | None = None) -> None:
+        """Reward one completion (by its index in the session) or the whole session (the outcome)."""
+        if not math.isfinite(value):
+            raise ValueError(f"reward must be a finite number, got {value!r}")
+        if discount is not None:
+            if not 0.0 < discount <= 1.0:
+                raise ValueError(f"discount must be in (0, 1], got {discount!r}")
+            session.discount = discount
+        if completion_index is None:
+            session.outcome = float(value)
+        elif 0 <= completion_index < session.completions:
+            session.rewards[completion_index] = float(value)
+        else:
+            raise KeyError(f"session {session.id} has no completion {completion_index} "
+                           f"(it has {session.completions}: 0..{session.completions - 1})")
+        self.touch(session)
+
+    def _returns(self, session: Session, branch: Branch) -> list[float] | None:
+        idx = branch.completion_indices
+        if session.outcome is None and not any(i in session.rewards for i in idx):
+            return None
+        r = [session.rewards.get(i, 0.0) for i in idx]
+        if session.outcome is not None:
+            r[-1] += session.outcome
+        g, out = 0.0, []
+        for x in reversed(r):
+            g = x + session.discount * g
+            out.append(g)
+        return out[::-1]
+
+    # -- ending ---------------------------------------------------------------------------------
+
+    def end(self, session: Session, reason: str = "ended", reward: float | None = None) -> list[Trajectory]:
+        """Close the session and return its trajectories (one per branch; none if it never generated)."""
+        if session.ended:
+            return []
+        if reward is not None:
+            self.reward(session, reward)
+        session.ended = session.closing = True
+        self.sessions.pop(session.id, None)
+        self.ended[session.id] = (session.key_hash, reason)
+        while len(self.ended) > ENDED_REMEMBERED:
+            self.ended.popitem(last=False)
+        return [self._trajectory(session, b, i, reason) for i, b in enumerate(session.branches)]
+
+    def expire_idle(self, now: float | None = None) -> list[Trajectory]:
+        """End every session idle for longer than the timeout (none with a request in flight)."""
+        now = self.clock() if now is None else now
+        idle = [s for s in self.sessions.values()
+                if s.inflight == 0 and not s.closing and now - s.last_active > self.idle_timeout_s]
+        return [t for s in idle for t in self.end(s, "idle")]
+
+    def _trajectory(self, session: Session, branch: Branch, i: int, reason: str) -> Trajectory:
+        many = len(session.branches) > 1
+        returns = self._returns(session, branch)
+        meta = {**session.meta, "source": "gateway", "session": session.id, "end_reason": reason,
+                "segment": branch.segment, "segments": session.segments,
+                "history_rewritten": session.segments > 1, "branch": i, "branches": len(session.branches),
+                "completions": branch.completion_indices,
+                "temperatures": [p[3] for p in branch.parts if p[0] == "comp"]}
+        if returns is not None:
+            meta["turn_returns"] = returns
+            meta["discount"] = session.discount
+        rec = EpisodeRecord(f"{session.id}-b{i}" if many else session.id, branch.prompt_ids,
+                            group_id=session.group_id, ticket=session.ticket, meta=meta)
+        for part in branch.parts:
+            if part[0] == "comp":
+                rec.add_completion(part[1])
+            else:
+                rec.add_env(part[1])
+        traj = rec.to_trajectory(returns[0] if returns is not None else None)
+        traj.episode_id = session.id
+        return traj
