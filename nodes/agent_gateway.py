@@ -21,7 +21,7 @@ from areal_bus import messages as m
 from areal_bus.node import NodeShell
 from areal_bus.tasks.guess import EVAL_SEED_BASE, GuessTask
 
-MAX_GROUPS_IN_FLIGHT = 16
+MAX_GROUPS_IN_FLIGHT = 8
 """Task instances played at once by one agent; the gateway's admission is the real limit, this only
 bounds the agent's own memory and connections."""
 

@@ -63,10 +63,11 @@ class StepLog:
         self.generated = self.tokens = 0
         self.step = 0
 
-    def add(self, comp: m.Completion) -> dict | None:
+    def add(self, comp: m.Completion, version: int) -> dict | None:
         self.generated += 1
         self.tokens += int(comp.output_ids.size)
-        self.step = max(self.step, comp.ticket // self.batch)
+        # Gateway requests carry no admission slot (ticket 0): the version serving them stands in.
+        self.step = max(self.step, comp.ticket // self.batch, version)
         if self.generated < self.every:
             return None
         line = {"step": self.step, "generated": self.generated, "tokens": self.tokens}
@@ -155,7 +156,7 @@ def run(topo, replica: int = 0, base=None) -> int:
                     comp.request_id, comp, (int(comp.versions.min(initial=0)),))
                 shell.metrics.inc("samples")
                 shell.metrics.inc("tokens", int(comp.output_ids.size))
-                line = steplog.add(comp)
+                line = steplog.add(comp, engine.version)
                 if line:
                     shell.log.info("step", **line, version=engine.version)
             for r in (*replies, *gw_out):

@@ -10,6 +10,8 @@ if [ -e logs/train_steps.jsonl ]; then                              # a fresh ru
     rm -rf logs.previous && mkdir logs.previous && mv logs/* logs.previous/ 2>/dev/null || true
 fi
 mkdir -p logs/supervisor
+# The gateway's admin token (opens sessions); one per run unless the caller set one. Never in a file.
+export AREAL_BUS_ADMIN_TOKEN="${AREAL_BUS_ADMIN_TOKEN:-$(.venv/bin/python -c 'import secrets; print(secrets.token_urlsafe(24))')}"
 .venv/bin/supervisord -c supervisord.conf
 .venv/bin/areal-bus plot --log-dir logs --metric reward --output logs/reward.png
 .venv/bin/areal-bus plot --log-dir logs --metric loss --output logs/loss.png

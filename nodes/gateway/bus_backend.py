@@ -77,9 +77,11 @@ class BusBackend:
     def _send(self, rid: str, fut: asyncio.Future, frames: list, session: str | None) -> None:
         for _ in range(len(self.live)):
             worker = self._pick(session)
-            try:
-                self.sock.send_multipart([worker.encode(), *frames], flags=zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError:  # not connected (yet, or any more): try the next one
+            # zmq.asyncio does not raise a failed send: a NOBLOCK send is tried at once and its error
+            # (EHOSTUNREACH from ROUTER_MANDATORY: the worker's DEALER is not connected) is set on the
+            # returned future, already done. Unchecked, the request would wait out REQUEST_DEADLINE_S.
+            sent = self.sock.send_multipart([worker.encode(), *frames], flags=zmq.NOBLOCK, copy=False)
+            if sent.done() and sent.exception() is not None:  # not connected (yet, or any more): try the next
                 self.live.discard(worker)
                 if session:
                     self.sticky.pop(session, None)
