@@ -16,7 +16,9 @@ what is ready, so "batch" is not a constant. Written in terms of what has been c
 
     capacity = consumed + (staleness + 1) * batch - (accepted + running)
 
-which is AReaL's exactly when every update consumes ``batch``. ``Admission`` uses this form with
+which is AReaL's exactly when every update consumes ``batch``. With several episode sources (agents,
+gateways) each counts its own consumed and admitted episodes and takes its share of the in-flight
+allowance ``(staleness + 1) * batch``: a source is never held back by what others did or did not send. ``Admission`` uses this form with
 ``batch`` measured: the samples per update over the last few updates, clamped to [trigger, global].
 A trainer that is the bottleneck takes full batches and gets a pipeline deep enough to stay busy; a
 trainer that outpaces rollout takes small ones, versions advance faster, and admission tightens so a
@@ -66,6 +68,7 @@ class Admission:
         self.batch_share = self._share(batch)
         self.admitted = 0  # accepted + running, as in the rule
         self.returned = 0
+        self.consumed = 0  # this source's episodes the trainer has trained on
         self.history: list[tuple[int, int]] = []  # (version, consumed) as the trainer reported them
 
     def _share(self, n: float) -> int:
@@ -90,8 +93,11 @@ class Admission:
     def capacity(self, version: int) -> int:
         if not self.history:
             return capacity(version, self.staleness, self._share(self.max_batch), self.admitted)
-        consumed = self.history[-1][1]
-        return max(0, self._share(consumed + (self.staleness + 1) * self.batch) - self.admitted)
+        return max(0, self.consumed + self._share((self.staleness + 1) * self.batch) - self.admitted)
+
+    def consume(self, n: int = 1) -> None:
+        """The trainer trained on ``n`` of this source's episodes."""
+        self.consumed += n
 
     def admit(self, n: int = 1) -> None:
         self.admitted += n

@@ -2,31 +2,32 @@
 
 A small real system runs as processes of its own: the bus, the weights node, one rollout worker
 (torch engine, the shipped tiny model) and the gateway node. Nothing trains (no trainer, agent or
-reward node), so the machine's load is these requests. The topology declares two gateway replicas:
-the real gateway node is replica 0; this process binds replica 1's ``gwork`` endpoint with a
-``BusBackend`` of its own, so both paths reach the same worker over the same kind of socket:
+reward node), so the requests below are the system's only work. The topology declares two gateway
+replicas: the gateway node is replica 0, and this process binds replica 1's ``gwork`` endpoint with a
+``BusBackend`` of its own, so every mode reaches the same worker over the same kind of socket:
 
-    gateway  POST /v1/chat/completions (aiohttp client, admin token: served, not recorded)
-             -> gateway node (auth, parse, chat template, BusBackend, decode, JSON) -> rollout-0
-    direct   BusBackend.generate(prompt ids) in this process -> rollout-0
+    direct      BusBackend.generate(prompt ids), in this process             (the baseline)
+    gateway     POST /v1/chat/completions to the gateway node (admin token: served, not recorded)
+    in-process  the same request to the same gateway app (make_app) served from this process's
+                event loop on this process's BusBackend: the gateway's code without its process
+    http floor  GET /health on the gateway node: an HTTP round trip to it, no work behind it
 
-Both ask for the same work: the same prompt ids (the same chat rendered by the same template; checked
-against the gateway's usage.prompt_tokens), max_tokens 2, temperature 0 (greedy, so the same output;
-checked too). So the difference is what the gateway costs: HTTP, JSON, the template, decoding.
+Every mode does the same work: the same prompt ids (the chat rendered by the policy's template; the
+gateway's usage.prompt_tokens is checked against them) and max_tokens 2 at temperature 0 (greedy, so
+the same completion; checked too). Each round sends --requests requests of every mode one at a time,
+the modes taking turns request by request (so whatever else loads this shared machine hits them
+alike), then runs each mode with --clients concurrent clients for --seconds (requests/s). Latency
+percentiles are over all rounds' requests; requests/s is the median of the rounds, its ratio to
+direct the median of the rounds' ratios. Where the time goes: CPU per request of each process under
+load (/proc) and of this process per sequential request, and the stages of the in-process gateway's
+sequential requests (perf_counter around its methods; the wrappers cost microseconds).
 
-Measured in rounds, the modes interleaved (direct first in even rounds, gateway first in odd ones):
-per round, each mode serves --requests requests one at a time (latency p50 / p99), then --clients
-concurrent clients for --seconds (requests/s). A third, informational row ``http floor`` times GET
-/health on the gateway (aiohttp server + client round trip, no work). Reported: per mode the median of
-the rounds, and "added" as the median over rounds of (gateway - direct) in the same round.
-
-Run:  .venv/bin/python bench/gateway.py                       (~90 s on 2 cores)
-      .venv/bin/python bench/gateway.py --rounds 2 --requests 100 --seconds 1    (smoke test)
-      .venv/bin/python bench/gateway.py --profile /tmp/gw.prof  (gateway under cProfile: slower; prints
-                                                                 where its time goes)
+Run:  .venv/bin/python bench/gateway.py                                      (~80 s on 2 cores)
+      .venv/bin/python bench/gateway.py --rounds 2 --requests 100 --seconds 1  (smoke test, ~30 s)
 
 The last line is ``RESULT added_p50_ms=... added_p99_ms=... direct_p50_ms=... gateway_p50_ms=...
-gateway_rps=... direct_rps=... rps_ratio=...``; the target is added_p50_ms <= 1.
+direct_p99_ms=... gateway_p99_ms=... gateway_rps=... direct_rps=... rps_ratio=... inproc_added_p50_ms=...``;
+the target is added_p50_ms <= 1.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import asyncio
 import json
 import os
 import platform
-import pstats
 import secrets
 import shutil
 import signal
@@ -46,9 +46,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+from aiohttp import web
 import numpy as np
 import yaml
 import zmq
@@ -57,9 +59,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from areal_bus.codec import Encoder  # noqa: E402
+from areal_bus.logs import setup_logging  # noqa: E402
 from areal_bus.metrics import Metrics  # noqa: E402
 from areal_bus.tasks.runner import load_tokenizer  # noqa: E402
 from areal_bus.topology import parse_topology  # noqa: E402
+from nodes.gateway.app import GATEWAY, GatewayConfig, bound_port, make_app, start_server  # noqa: E402
 from nodes.gateway.backend import SamplingParams  # noqa: E402
 from nodes.gateway.bus_backend import BusBackend, NoWorker  # noqa: E402
 from nodes.gateway.chat import ChatRenderer  # noqa: E402
@@ -67,10 +71,12 @@ from nodes.gateway.chat import ChatRenderer  # noqa: E402
 AREAL_BUS = Path(sys.executable).parent / "areal-bus"
 MODEL = ROOT / "models" / "tiny-guess"
 MESSAGES = [{"role": "user", "content": "Guess the number: it is between 1 and 16."}]
-START_TIMEOUT_S = 180.0  # first start imports torch and transformers in three processes on 2 cores
+MODES = ("direct", "gateway", "in-process")
+WORKER = "rollout-0"
+START_TIMEOUT_S = 180.0  # first start imports torch and transformers in several processes on 2 cores
 REQUEST_TIMEOUT_S = 30.0  # one tiny completion; longer means a stuck node: fail, do not hang
-STOP_WAIT_S = 15.0  # SIGTERM, then this long, then SIGKILL (the node's own shutdown takes < 1 s)
-MODES = ("direct", "gateway")
+STOP_WAIT_S = 15.0  # SIGTERM, then this long, then SIGKILL (a node's own shutdown takes about a second)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def topology(work: Path, port: int) -> dict:
@@ -82,7 +88,8 @@ def topology(work: Path, port: int) -> dict:
         "agent": {"framework": "guess"},
         "rollout_engine": {"kind": "torch", "max_batch": 32, "max_len": 256},
         "trainer_engine": {"kind": "torch"},
-        "endpoints": {"transport": "ipc", "ipc_dir": str(work / "ipc")},
+        # ipc sockets in the run's own folder; its unique name also names the (here unused) weight buffers.
+        "endpoints": {"transport": "ipc", "ipc_dir": str(work)},
         "nodes": {
             "bus": {}, "weights": {}, "agent": {"replicas": 0}, "reward": {"replicas": 0},
             "gateway": {"replicas": 2, "config": {"admin_token": "${AREAL_BUS_ADMIN_TOKEN}", "port": port}},
@@ -97,16 +104,14 @@ def free_port() -> int:
 
 
 class System:
-    """The node processes, each in a process group of its own so that stopping it stops its children."""
+    """The node processes, each in a process group of its own (stopping one stops its children)."""
 
-    def __init__(self, topo_path: Path, work: Path, env: dict, profile: Path | None):
-        self.topo_path, self.work, self.env, self.profile = topo_path, work, env, profile
+    def __init__(self, topo_path: Path, work: Path, env: dict):
+        self.topo_path, self.work, self.env = topo_path, work, env
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, kind: str, replica: int = 0) -> None:
         cmd = [str(AREAL_BUS), "node", kind, "--topology", str(self.topo_path), "--replica", str(replica)]
-        if kind == "gateway" and self.profile is not None:
-            cmd = [sys.executable, "-m", "cProfile", "-o", str(self.profile), *cmd]
         with open(self.work / f"{kind}-{replica}.out", "wb") as out:
             self.procs[f"{kind}-{replica}"] = subprocess.Popen(
                 cmd, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -117,8 +122,13 @@ class System:
                 tail = (self.work / f"{name}.out").read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
 
+    def cpu_s(self, name: str) -> float:
+        """CPU seconds (user + system) the node's process has used so far."""
+        fields = Path(f"/proc/{self.procs[name].pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime: fields 14 and 15 of proc(5)
+
     def stop(self) -> None:
-        for proc in reversed(list(self.procs.values())):  # the gateway first: it ends cleanly (and profiles)
+        for proc in self.procs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_WAIT_S
@@ -130,12 +140,66 @@ class System:
                 proc.wait()
 
 
-class Clients:
-    """One request of each mode, as a client of that path would make it."""
+class Stages:
+    """perf_counter around the in-process gateway's stages, one row per timed request."""
 
-    def __init__(self, backend: BusBackend, http: aiohttp.ClientSession, url: str, token: str,
+    def __init__(self, app):
+        gw = app[GATEWAY]
+        self.on = False
+        self.row: dict[str, float] = {}
+        self.rows: list[dict[str, float]] = []
+        gw.complete = self._timed("complete", gw.complete)
+        gw.renderer.prompt_ids = self._timed("template", gw.renderer.prompt_ids)
+        gw._postprocess = self._timed("decode", gw._postprocess)
+        gw.backend = _TimedBackend(gw.backend, self)
+
+        @web.middleware
+        async def timed_handler(request, handler):  # the innermost middleware: times the route handler
+            t0 = time.perf_counter()
+            try:
+                return await handler(request)
+            finally:
+                self.add("handler", t0)
+        app.middlewares.append(timed_handler)
+
+    def add(self, name: str, t0: float) -> None:
+        if self.on:
+            self.row[name] = self.row.get(name, 0.0) + time.perf_counter() - t0
+
+    def _timed(self, name, fn):
+        if asyncio.iscoroutinefunction(fn):
+            async def timed(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return await fn(*args, **kwargs)
+                finally:
+                    self.add(name, t0)
+        else:
+            def timed(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.add(name, t0)
+        return timed
+
+    def end(self, e2e: float) -> None:
+        if self.on:
+            self.rows.append({**self.row, "e2e": e2e})
+        self.row = {}
+
+
+class _TimedBackend:
+    def __init__(self, backend, stages: Stages):
+        self.generate = stages._timed("generate", backend.generate)
+
+
+class Clients:
+    """One request of each mode, made as a client of that path would make it."""
+
+    def __init__(self, backend: BusBackend, http: aiohttp.ClientSession, urls: dict[str, str], token: str,
                  prompt_ids: np.ndarray, max_tokens: int):
-        self.backend, self.http, self.url = backend, http, url
+        self.backend, self.http, self.urls = backend, http, urls
         self.prompt_ids = prompt_ids
         self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0)
         self.body = json.dumps({"model": "policy", "messages": MESSAGES, "max_tokens": max_tokens,
@@ -145,23 +209,29 @@ class Clients:
     async def direct(self):
         return await self.backend.generate("", self.prompt_ids, self.params)
 
-    async def gateway(self) -> dict:
-        async with self.http.post(f"{self.url}/v1/chat/completions", data=self.body, headers=self.headers) as r:
+    async def chat(self, mode: str) -> dict:
+        async with self.http.post(f"{self.urls[mode]}/v1/chat/completions", data=self.body, headers=self.headers) as r:
             raw = await r.read()
             if r.status != 200:
-                raise RuntimeError(f"gateway answered {r.status}: {raw[:500]!r}")
+                raise RuntimeError(f"{mode} answered {r.status}: {raw[:500]!r}")
             return json.loads(raw)
 
+    async def gateway(self) -> dict:
+        return await self.chat("gateway")
+
+    async def in_process(self) -> dict:
+        return await self.chat("in-process")
+
     async def health(self) -> None:
-        async with self.http.get(f"{self.url}/health") as r:
+        async with self.http.get(f"{self.urls['gateway']}/health") as r:
             await r.read()
             if r.status != 200:
                 raise RuntimeError(f"GET /health answered {r.status}")
 
 
 async def wait_ready(system: System, clients: Clients) -> tuple:
-    """Both paths answer (the worker's DEALER is connected to both ROUTERs, the gateway sees the worker
-    alive); returns one answer of each, to check that they did the same work."""
+    """Until both paths answer (the worker's DEALER connected to both ROUTERs, the gateway node seeing
+    the worker's heartbeats); one answer of each, to check that they did the same work."""
     deadline = time.monotonic() + START_TIMEOUT_S
     comp = resp = None
     while comp is None or resp is None:
@@ -170,26 +240,21 @@ async def wait_ready(system: System, clients: Clients) -> tuple:
             raise RuntimeError(f"system not ready after {START_TIMEOUT_S:.0f} s; logs in {system.work}")
         try:
             if comp is None:
-                clients.backend.set_live({"rollout-0"})  # the worker's id: its DEALER may not be connected yet
+                # This process hears no heartbeats: name the worker; NoWorker while its DEALER is not connected.
+                clients.backend.set_live({WORKER})
                 comp = await asyncio.wait_for(clients.direct(), REQUEST_TIMEOUT_S)
             if resp is None:
                 resp = await asyncio.wait_for(clients.gateway(), REQUEST_TIMEOUT_S)
-        except (NoWorker, aiohttp.ClientError, asyncio.TimeoutError, RuntimeError):
+        except (NoWorker, aiohttp.ClientError, asyncio.TimeoutError, RuntimeError):  # not up yet: try again
             await asyncio.sleep(0.5)
     return comp, resp
 
 
-async def sequential(call, n: int) -> list[float]:
-    lat = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        await call()
-        lat.append(time.perf_counter() - t0)
-    return lat
-
-
-async def concurrent(call, clients: int, seconds: float) -> float:
+async def concurrent(call, clients: int, seconds: float, cpu=dict) -> tuple[float, dict[str, float]]:
+    """Requests/s of ``clients`` closed-loop clients over ``seconds``, and the CPU seconds per request
+    of each process ``cpu()`` reads."""
     done = 0
+    cpu0 = cpu()
     t0 = time.perf_counter()
     stop_at = t0 + seconds
 
@@ -200,131 +265,193 @@ async def concurrent(call, clients: int, seconds: float) -> float:
             done += 1
 
     await asyncio.gather(*(client() for _ in range(clients)))
-    return done / (time.perf_counter() - t0)
+    rate = done / (time.perf_counter() - t0)
+    return rate, {name: (used - cpu0[name]) / done for name, used in cpu().items()}
 
 
-def pct(lat: list[float], q: float) -> float:
-    return float(np.percentile(lat, q)) * 1e3
+@dataclass
+class Results:
+    lat: dict[str, list[list[float]]]  # mode -> per round, each sequential request's latency (s)
+    here_cpu: dict[str, list[float]]  # mode -> each sequential request's CPU seconds in this process
+    rps: dict[str, list[float]]  # mode -> per round, requests/s with --clients clients
+    cpu: dict[str, list[dict[str, float]]]  # mode -> per round, CPU seconds per request of each process
+    stages: Stages
 
 
-async def measure(args, system: System, clients: Clients) -> dict:
+async def measure(args, system: System, clients: Clients, stages: Stages) -> Results:
     comp, resp = await wait_ready(system, clients)
     usage = resp["usage"]
     if usage["prompt_tokens"] != clients.prompt_ids.size or usage["completion_tokens"] != comp.output_ids.size:
         raise RuntimeError(f"the modes do different work: gateway usage {usage} vs direct prompt "
                            f"{clients.prompt_ids.size} / completion {comp.output_ids.size} tokens")
+    if (await clients.in_process())["usage"] != usage:
+        raise RuntimeError("the in-process gateway does different work from the gateway node")
     print(f"ready: prompt {clients.prompt_ids.size} tokens, completion {comp.output_ids.size} tokens "
-          f"({comp.finish_reason}) in both modes; worker generation {comp.gen_seconds * 1e3:.2f} ms", flush=True)
-    calls = {"direct": clients.direct, "gateway": clients.gateway}
+          f"({comp.finish_reason}) in every mode", flush=True)
+    calls = {"direct": clients.direct, "gateway": clients.gateway, "in-process": clients.in_process,
+             "http floor": clients.health}
     for mode in MODES:  # warm-up: connections open, code paths and allocators warm
-        await sequential(calls[mode], 50)
+        for _ in range(50):
+            await calls[mode]()
         await concurrent(calls[mode], args.clients, 0.3)
-    rounds = {mode: [] for mode in (*MODES, "http floor")}
+    res = Results({mode: [] for mode in calls}, {mode: [] for mode in calls}, {mode: [] for mode in MODES},
+                  {mode: [] for mode in MODES}, stages)
+    lat = res.lat
+
+    def cpu_now() -> dict[str, float]:  # this process: the clients, its ZeroMQ I/O thread, the in-process app
+        return {"this process": time.process_time(), "gateway node": system.cpu_s("gateway-0"),
+                "rollout worker": system.cpu_s(WORKER)}
     for r in range(args.rounds):
-        for mode in MODES if r % 2 == 0 else MODES[::-1]:
-            lat = await sequential(calls[mode], args.requests)
-            rps = await concurrent(calls[mode], args.clients, args.seconds)
-            rounds[mode].append((pct(lat, 50), pct(lat, 99), rps))
-        lat = await sequential(clients.health, args.requests)
-        rounds["http floor"].append((pct(lat, 50), pct(lat, 99), float("nan")))
-        d, g = rounds["direct"][-1], rounds["gateway"][-1]
-        print(f"  round {r + 1}/{args.rounds}: direct p50 {d[0]:.2f} ms {d[2]:.0f} req/s, gateway p50 {g[0]:.2f} ms "
-              f"{g[2]:.0f} req/s; load {os.getloadavg()[0]:.1f}", flush=True)
-    return rounds
+        order = [*MODES[r % len(MODES):], *MODES[:r % len(MODES)], "http floor"]  # each place by turns
+        for mode in order:
+            lat[mode].append([])
+        for _ in range(args.requests):
+            for mode in order:
+                stages.on = mode == "in-process"
+                t0, c0 = time.perf_counter(), time.process_time()
+                await calls[mode]()
+                lat[mode][-1].append(time.perf_counter() - t0)
+                res.here_cpu[mode].append(time.process_time() - c0)
+                stages.end(lat[mode][-1][-1])
+        stages.on = False
+        for mode in order[:-1]:
+            rate, used = await concurrent(calls[mode], args.clients, args.seconds, cpu_now)
+            res.rps[mode].append(rate)
+            res.cpu[mode].append(used)
+        print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{mode} {pct(lat[mode][-1], 50):.2f} ms {res.rps[mode][-1]:.0f} req/s" for mode in MODES)
+            + f"; load {os.getloadavg()[0]:.1f}", flush=True)
+    return res
 
 
-def report(args, rounds: dict) -> None:
-    med = {mode: [statistics.median(col) for col in zip(*rs)] for mode, rs in rounds.items()}
-    paired = list(zip(rounds["direct"], rounds["gateway"]))
-    added_p50 = statistics.median(g[0] - d[0] for d, g in paired)
-    added_p99 = statistics.median(g[1] - d[1] for d, g in paired)
-    ratio = statistics.median(g[2] / d[2] for d, g in paired)
-    print(f"\n{'mode':<11}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}   p50 ms per round")
-    for mode, (p50, p99, rps) in med.items():
-        per = " ".join(f"{r[0]:.2f}" for r in rounds[mode])
-        shown = "-" if mode == "http floor" else f"{rps:.0f}"
-        print(f"{mode:<11}{p50:>9.2f}{p99:>9.2f}{shown:>9}   {per}")
-    print(f"\nadded by the gateway: p50 {added_p50:+.2f} ms, p99 {added_p99:+.2f} ms (target p50 <= 1 ms); "
-          f"per round p50 {' '.join(f'{g[0] - d[0]:+.2f}' for d, g in paired)}")
-    print(f"gateway / direct req/s with {args.clients} clients: {ratio:.2f}   per round "
-          f"{' '.join(f'{g[2] / d[2]:.2f}' for d, g in paired)}")
-    print(f"http floor (GET /health) is {med['http floor'][0]:.2f} ms of the added p50; the rest is the chat "
-          f"handler (auth, JSON, template, decode). Load at the end: {os.getloadavg()[0]:.1f}")
-    print(f"RESULT added_p50_ms={added_p50:.3f} added_p99_ms={added_p99:.3f} direct_p50_ms={med['direct'][0]:.3f} "
-          f"gateway_p50_ms={med['gateway'][0]:.3f} direct_p99_ms={med['direct'][1]:.3f} "
-          f"gateway_p99_ms={med['gateway'][1]:.3f} gateway_rps={med['gateway'][2]:.1f} "
-          f"direct_rps={med['direct'][2]:.1f} rps_ratio={ratio:.3f}")
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) * 1e3
 
 
-def print_profile(path: Path, top: int = 25) -> None:
-    print(f"\ngateway profile ({path}; cProfile slows the gateway: the figures above are inflated), "
-          f"top {top} by own time:")
-    stats = pstats.Stats(str(path))
-    stats.sort_stats("tottime").print_stats(top)
-    stats.sort_stats("cumulative").print_stats(top)
+def report(args, res: Results) -> None:
+    lat, rps, cpu = res.lat, res.rps, res.cpu
+    pooled = {mode: [x for rnd in rounds for x in rnd] for mode, rounds in lat.items()}
+    p50 = {mode: pct(xs, 50) for mode, xs in pooled.items()}
+    p99 = {mode: pct(xs, 99) for mode, xs in pooled.items()}
+    med_rps = {mode: statistics.median(xs) for mode, xs in rps.items()}
+    ratio = {mode: statistics.median(m / d for m, d in zip(rps[mode], rps["direct"])) for mode in MODES}
+    per_round = {mode: [pct(m, 50) - pct(d, 50) for m, d in zip(lat[mode], lat["direct"])] for mode in MODES}
+    print(f"\n{'mode':<11}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'req/s':>8}{'x direct':>9}"
+          f"   +p50 ms per round")
+    for mode in lat:
+        if mode == "direct":
+            extra = f"{'-':>9}{'-':>9}{med_rps[mode]:>8.0f}{'-':>9}"
+        elif mode == "http floor":
+            extra = f"{'-':>9}{'-':>9}{'-':>8}{'-':>9}"
+        else:
+            extra = (f"{p50[mode] - p50['direct']:>+9.2f}{p99[mode] - p99['direct']:>+9.2f}{med_rps[mode]:>8.0f}"
+                     f"{ratio[mode]:>9.2f}   {' '.join(f'{x:+.2f}' for x in per_round[mode])}")
+        print(f"{mode:<11}{p50[mode]:>9.2f}{p99[mode]:>9.2f}{extra}")
+    print(f"(p50 / p99 over {len(pooled['direct'])} sequential requests per mode; +: minus direct; req/s with "
+          f"{args.clients} clients, median of {args.rounds} rounds; x direct: median of the rounds' ratios)")
+    procs = list(cpu["direct"][0])
+    print(f"\nCPU ms per request with {args.clients} clients (median of the rounds; the gateway node's in direct "
+          f"and in-process mode is its idle cost):")
+    print(f"{'mode':<11}" + "".join(f"{name:>16}" for name in procs))
+    for mode in MODES:
+        print(f"{mode:<11}" + "".join(f"{1e3 * statistics.median(c[name] for c in cpu[mode]):>16.3f}" for name in procs))
+
+    # Per request, then the median of each stage: where the in-process gateway's time goes.
+    rows = res.stages.rows
+    parts = {
+        "HTTP: aiohttp client + server, outside the handler": [r["e2e"] - r["handler"] for r in rows],
+        "handler outside complete(): auth, body, parse, JSON response": [r["handler"] - r["complete"] for r in rows],
+        "chat template + tokenize (renderer.prompt_ids)": [r["template"] for r in rows],
+        "decode the completion (_postprocess)": [r["decode"] for r in rows],
+        "rest of complete(): task, shield, response dict, log line": [
+            r["complete"] - r["generate"] - r["template"] - r["decode"] for r in rows],
+        "backend.generate from the gateway, minus direct p50": [r["generate"] - p50["direct"] / 1e3 for r in rows],
+    }
+    print(f"\nwhere the in-process gateway's +{p50['in-process'] - p50['direct']:.2f} ms go (median per stage over "
+          f"{len(rows)} requests; medians do not add up exactly):")
+    for name, xs in parts.items():
+        print(f"  {name:<62}{pct(xs, 50):>7.3f} ms")
+    added_p50, added_p99 = p50["gateway"] - p50["direct"], p99["gateway"] - p99["direct"]
+    inproc = p50["in-process"] - p50["direct"]
+    here = {mode: pct(res.here_cpu[mode], 50) for mode in ("direct", "in-process")}
+    print(f"CPU of this process per sequential request (p50): direct {here['direct']:.2f} ms, in-process "
+          f"{here['in-process']:.2f} ms: +{here['in-process'] - here['direct']:.2f} ms of CPU against +{inproc:.2f} ms "
+          f"of latency")
+    print(f"gateway node +p50 {added_p50:.2f} ms (target <= 1 ms) = its code +{inproc:.2f} ms (in-process) and its "
+          f"own process on the path {added_p50 - inproc:+.2f} ms (an HTTP round trip to it alone: "
+          f"{p50['http floor']:.2f} ms). Load at the end: {os.getloadavg()[0]:.1f}")
+    print(f"RESULT added_p50_ms={added_p50:.3f} added_p99_ms={added_p99:.3f} direct_p50_ms={p50['direct']:.3f} "
+          f"gateway_p50_ms={p50['gateway']:.3f} direct_p99_ms={p99['direct']:.3f} gateway_p99_ms={p99['gateway']:.3f} "
+          f"gateway_rps={med_rps['gateway']:.1f} direct_rps={med_rps['direct']:.1f} rps_ratio={ratio['gateway']:.3f} "
+          f"inproc_added_p50_ms={inproc:.3f}")
 
 
-async def run(args, work: Path, token: str) -> dict:
+async def run(args, work: Path, token: str):
     port = free_port()
     topo_dict = topology(work, port)
     topo_path = work / "topology.yaml"
     topo_path.write_text(yaml.safe_dump(topo_dict, sort_keys=False))
-    # In this process only, for endpoint(): the file keeps ${AREAL_BUS_ADMIN_TOKEN}, the nodes get it from env.
+    # The file says ${AREAL_BUS_ADMIN_TOKEN} (the nodes get it from their environment); parsed here with it.
     topo = parse_topology(json.loads(json.dumps(topo_dict).replace("${AREAL_BUS_ADMIN_TOKEN}", token)), str(topo_path))
-    (work / "ipc").mkdir()
-    renderer = ChatRenderer(load_tokenizer(MODEL))
-    prompt_ids = np.asarray(renderer.prompt_ids(MESSAGES, None), dtype=np.int32)
+    tokenizer = load_tokenizer(MODEL)
+    prompt_ids = np.asarray(ChatRenderer(tokenizer).prompt_ids(MESSAGES, None), dtype=np.int32)
     env = dict(os.environ, AREAL_BUS_ADMIN_TOKEN=token, PYTHONUNBUFFERED="1",
                PATH=f"{AREAL_BUS.parent}:{os.environ.get('PATH', '')}")
-    system = System(topo_path, work, env, args.profile)
+    system = System(topo_path, work, env)
     ctx = zmq.Context()
-    # Bound before the worker starts, so its DEALER for gateway replica 1 connects at once.
+    # Bound before the worker starts, so that its DEALER for gateway replica 1 connects at once.
     backend = BusBackend(ctx, topo.endpoint("gwork", 1), Encoder("bench-direct"), Metrics())
+    # The in-process gateway: the node's app and config, logging to a file as the node does.
+    cfg = GatewayConfig(**{**topo.node_config("gateway"), "port": 0, "max_context_tokens": topo.rollout_engine.max_len})
+    app = make_app(cfg, backend, tokenizer, log=setup_logging("gateway", work / "inproc", echo=False))
+    stages = Stages(app)
+    runner = None
     try:
         for kind in ("bus", "weights", "rollout", "gateway"):
             system.start(kind)
-        connector = aiohttp.TCPConnector(limit=0, force_close=False)
-        async with aiohttp.ClientSession(connector=connector,
+        runner = await start_server(app, cfg)
+        urls = {"gateway": f"http://127.0.0.1:{port}", "in-process": f"http://127.0.0.1:{bound_port(runner)}"}
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                          timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as http:
-            clients = Clients(backend, http, f"http://127.0.0.1:{port}", token, prompt_ids, args.max_tokens)
-            return await measure(args, system, clients)
+            clients = Clients(backend, http, urls, token, prompt_ids, args.max_tokens)
+            res = await measure(args, system, clients, stages)
     finally:
+        if runner is not None:
+            await runner.cleanup()
         system.stop()
         backend.close()
         ctx.destroy(linger=0)
+    return res
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=6, help="rounds; each runs both modes (interleaved)")
+    p.add_argument("--rounds", type=int, default=6, help="rounds; each runs every mode")
     p.add_argument("--requests", type=int, default=300, help="sequential requests per mode per round (p50/p99)")
     p.add_argument("--clients", type=int, default=16, help="concurrent clients for requests/s")
     p.add_argument("--seconds", type=float, default=2.0, help="seconds of concurrent load per mode per round")
     p.add_argument("--max-tokens", type=int, default=2, help="completion tokens per request (greedy)")
-    p.add_argument("--profile", type=Path, default=None, help="run the gateway under cProfile, write the "
-                   "stats here and print the top functions")
     args = p.parse_args()
     token = secrets.token_urlsafe(24)
     work = Path(tempfile.mkdtemp(prefix="ab-gw-", dir="/tmp"))  # ipc paths must stay short
     print(f"{time.strftime('%Y-%m-%d %H:%M')} {platform.node()}: {os.cpu_count()} cpus, load "
           f"{os.getloadavg()[0]:.1f}; python {platform.python_version()}, aiohttp {aiohttp.__version__}, "
           f"pyzmq {zmq.__version__}")
-    print(f"{args.rounds} rounds x (direct, gateway) x ({args.requests} sequential requests + {args.clients} "
-          f"clients for {args.seconds:g} s); max_tokens {args.max_tokens}, temperature 0; starting bus, weights, "
+    print(f"{args.rounds} rounds x {args.requests} sequential requests per mode (taking turns) + {args.clients} "
+          f"clients for {args.seconds:g} s per mode; max_tokens {args.max_tokens}, temperature 0; bus, weights, "
           f"rollout (torch, {MODEL.name}) and gateway nodes in {work}", flush=True)
     try:
         try:
             import uvloop
-            rounds = uvloop.run(run(args, work, token))  # the gateway node runs on uvloop too
         except ImportError:
-            rounds = asyncio.run(run(args, work, token))
+            res = asyncio.run(run(args, work, token))
+        else:
+            res = uvloop.run(run(args, work, token))  # the gateway node runs on uvloop too
     except BaseException:
-        print(f"logs kept in {work}", file=sys.stderr)
+        print(f"node logs kept in {work}", file=sys.stderr)
         raise
-    if args.profile is not None:
-        print_profile(args.profile)
     shutil.rmtree(work, ignore_errors=True)
-    report(args, rounds)
+    report(args, res)
     return 0
 
 

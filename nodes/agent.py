@@ -137,6 +137,8 @@ class EpisodeSource:
         return ep.record.to_trajectory(reward)
 
     def on_ack(self, ack: m.TrajAck) -> None:
+        mine = [eid for eid in ack.consumed if eid in self.emitted]
+        self.admission.consume(len(mine))
         for eid in (*ack.consumed, *ack.duplicate):
             self.emitted.discard(eid)
         stale = [eid for eid in ack.stale if eid in self.emitted]

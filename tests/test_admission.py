@@ -62,6 +62,7 @@ def test_fifo_consumption_never_sees_an_over_stale_admission(staleness, batch, l
         else:
             known_version, known_consumed = reports[max(0, len(reports) - 1 - lag)]
             adm.observe(known_version, known_consumed)
+            adm.consume(known_consumed - adm.consumed)  # the acks of our samples, as late as the report
             n = min(op, adm.capacity(known_version))
             adm.admit(n)
             queue.extend([known_version] * n)
@@ -74,6 +75,7 @@ def test_sync_mode_admits_exactly_one_batch_per_version(batch, versions):
     adm = Admission(staleness=0, batch=batch)
     for version in range(versions):
         adm.observe(version, consumed=version * batch)
+        adm.consume(version * batch - adm.consumed)  # the acks of the batch trained into this version
         assert adm.capacity(version) == batch
         adm.admit(batch)
         assert adm.capacity(version) == 0

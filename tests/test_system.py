@@ -71,6 +71,8 @@ def small_topology(ipc_dir: Path, **overrides) -> dict:
         trainer_engine={"kind": "sim", "time_per_token_s": 0.00001, "update_overhead_s": 0.01},
         # Explicit, so the probe (run from any cwd) finds the same sockets as the nodes.
         endpoints={"transport": "ipc", "ipc_dir": str(ipc_dir)},
+        # The bus system alone: the default's gateway (and its HTTP agent) need the real model.
+        nodes={"bus": {}, "agent": {"replicas": 1}, "reward": {"replicas": 1}, "trainer": {}, "weights": {}},
     )
     data.update(overrides)
     return data

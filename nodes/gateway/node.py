@@ -83,8 +83,8 @@ def run(topo, replica: int = 0, base=None) -> int:
             if isinstance(msg, m.TrajAck):
                 for ids in (msg.consumed, msg.stale, msg.duplicate):
                     sender.ack(ids)
-                stale = [t for t in msg.stale if t in emitted]
-                admission.give_back(len(stale))
+                admission.consume(sum(1 for t in msg.consumed if t in emitted))
+                admission.give_back(sum(1 for t in msg.stale if t in emitted))
                 emitted.difference_update(msg.consumed, msg.stale, msg.duplicate)
             elif isinstance(msg, m.RunState):
                 admission.observe(msg.version, msg.consumed)
