@@ -64,7 +64,10 @@ class BusBackend:
         if gone:
             for rid, (fut, worker, frames, _) in list(self.pending.items()):
                 if worker in gone and not fut.done():
-                    self._send(rid, fut, frames, session=None)
+                    try:
+                        self._send(rid, fut, frames, session=None)
+                    except NoWorker as err:  # the last worker went: this client gets a 503 now
+                        fut.set_exception(err)
 
     def _pick(self, session: str | None) -> str:
         if session and self.sticky.get(session) in self.live:
@@ -110,16 +113,26 @@ class BusBackend:
             temperature=params.temperature, top_p=params.top_p, prompt_ids=np.asarray(prompt_ids, np.int32),
             stop=list(params.stop_token_ids))
         frames = self.encoder.encode(req, (self.version_fn(),))
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._send(rid, fut, frames, session_id or None)
-        try:
-            while True:
+
+        def overdue():  # one timer per request (cheaper than wait_for): resend to another worker
+            nonlocal timer
+            if not fut.done():
+                self.metrics.inc("gateway.resent")
                 try:
-                    return await asyncio.wait_for(asyncio.shield(fut), REQUEST_DEADLINE_S)
-                except asyncio.TimeoutError:
-                    self.metrics.inc("gateway.resent")
                     self._send(rid, fut, frames, None)
+                except NoWorker as err:
+                    fut.set_exception(err)
+                    return
+                timer = loop.call_later(REQUEST_DEADLINE_S, overdue)
+
+        timer = loop.call_later(REQUEST_DEADLINE_S, overdue)
+        try:
+            return await fut
         finally:
+            timer.cancel()
             entry = self.pending.pop(rid, None)
             if entry is not None:
                 self.load[entry[1]] -= 1

@@ -23,6 +23,7 @@ get them through ``apply_chat_template(..., tools=...)`` and render them their o
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import secrets
@@ -114,10 +115,16 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     return rest or None, calls
 
 
+RENDER_CACHE_SIZE = 4096
+"""Rendered prompts kept (LRU): a few MB at most, enough for every distinct first prompt and
+environment reply of a run's recent episodes."""
+
+
 class ChatRenderer:
     """A tokenizer's chat template, used the way the session rule needs it (see the module doc)."""
 
     def __init__(self, tokenizer):
+        self._render_cache: collections.OrderedDict = collections.OrderedDict()
         self.tok = tokenizer
         if tokenizer.eos_token is None or tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos token; the gateway needs it to close assistant turns")
@@ -196,17 +203,40 @@ class ChatRenderer:
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """A whole conversation, ready for the assistant's reply."""
+        return list(self._cached("p", messages, tools, self._prompt_ids))
+
+    def _prompt_ids(self, messages, tools) -> tuple[int, ...]:
         text = self._render(self.template_messages(messages, tools), self._template_tools(tools))
-        return self.encode(text)
+        return tuple(self.encode(text))
 
     def continuation_ids(self, new_messages: list[dict], tools: list[dict] | None, closed: bool) -> list[int]:
         """Ids to append after a recorded assistant turn: its end (an eos first if the sampled ids did
         not end with one), the new messages and the next assistant header."""
+        ids = list(self._cached("c", new_messages, tools, self._continuation_ids))
+        return ids if closed else [self.eos_id, *ids]
+
+    def _continuation_ids(self, new_messages, tools) -> tuple[int, ...]:
         convo = [{"role": "assistant", "content": MARKER}, *self.template_messages(new_messages, None)]
         text = self._render(convo, self._template_tools(tools))
         after = text[text.index(MARKER) + 1:]
-        ids = self.encode(after[len(self.eos):])
-        return ids if closed else [self.eos_id, *ids]
+        return tuple(self.encode(after[len(self.eos):]))
+
+    def _cached(self, kind: str, messages, tools, render) -> tuple[int, ...]:
+        """Rendering is the gateway's largest CPU cost per request, and agents repeat themselves: a
+        GRPO group sends one first prompt n times, every game sends the same few environment replies.
+        The key is the exact JSON of what is rendered, so a hit is the same token ids by construction."""
+        try:
+            key = (kind, json.dumps(messages, sort_keys=True), json.dumps(tools, sort_keys=True) if tools else "")
+        except (TypeError, ValueError):  # not JSON-able: render uncached
+            return render(messages, tools)
+        hit = self._render_cache.get(key)
+        if hit is None:
+            hit = self._render_cache[key] = render(messages, tools)
+            if len(self._render_cache) > RENDER_CACHE_SIZE:
+                self._render_cache.popitem(last=False)
+        else:
+            self._render_cache.move_to_end(key)
+        return hit
 
     def apply_stop(self, ids, stops: list[str]) -> tuple[int, str, bool]:
         """(ids to keep, text for the client, stopped) for a completion and string stops. The text
