@@ -29,14 +29,13 @@ import random
 import re
 import socket
 import time
-from pathlib import Path
 
 import aiohttp
 import structlog
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator
 
 from areal_bus.gateway_client import describe_no_choices, describe_unreachable, http_problem
+from areal_bus.topology import read_yaml
 
 ROLES = ("policy_model", "reward_model", "judge_model")
 
@@ -238,15 +237,7 @@ def parse_router_config(data, source: str = "<router config>", resolve_key: bool
 def load_router_config(path: str | os.PathLike, resolve_key: bool = True) -> RouterConfig:
     """Read and validate a router YAML and read its key from the environment; RouterConfigError with
     one message naming the file and field otherwise."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise RouterConfigError(f"{path}: cannot read router config ({exc.strerror})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise RouterConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    data = read_yaml(path, "router config", RouterConfigError)
     return parse_router_config(data, str(path), resolve_key)
 
 

@@ -328,18 +328,22 @@ def parse_topology(data, source: str = "<topology>") -> Topology:
         raise TopologyError(_format_errors(source, err)) from None
 
 
-def load_topology(path: str | os.PathLike) -> Topology:
-    """Read, expand and validate a topology file. Raises TopologyError with one clear message."""
+def read_yaml(path: str | os.PathLike, what: str, error: type[Exception]):
+    """A YAML file's data, or ``error`` with one message naming the file (shared by every config)."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
-        raise TopologyError(f"{path}: cannot read topology ({exc.strerror})") from None
+        raise error(f"{path}: cannot read {what} ({exc.strerror})") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise TopologyError(f"{path}: not valid YAML: {exc}") from None
-    return parse_topology(data, str(path))
+        raise error(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+
+
+def load_topology(path: str | os.PathLike) -> Topology:
+    """Read, expand and validate a topology file. Raises TopologyError with one clear message."""
+    return parse_topology(read_yaml(path, "topology", TopologyError), str(path))
 
 
 def dump_resolved(topo: Topology) -> dict:

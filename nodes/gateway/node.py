@@ -45,6 +45,11 @@ def run(topo, replica: int = 0, base=None) -> int:
                       topics=(m.TOPIC_VERSION, m.TOPIC_TRAJ_ACK, m.TOPIC_RUN))
     shell.install_signal_handlers()
     node_cfg = topo.node_config("gateway")
+    if not node_cfg.get("admin_token"):
+        shell.log.error("no_admin_token", fix="export AREAL_BUS_ADMIN_TOKEN (8+ characters) in the shell that "
+                        "starts supervisord (scripts/run_default.sh makes one per run)")
+        shell.close()
+        return 2
     router_path = node_cfg.pop("router_config", None)
     cfg = GatewayConfig(**{"max_context_tokens": topo.rollout_engine.max_len, **node_cfg})
     from areal_bus.tasks.runner import load_tokenizer
