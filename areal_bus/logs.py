@@ -6,7 +6,8 @@
 
 structlog does the structuring; the renderer below only decides the line's shape. Each line goes to
 ``<log_dir>/<file>.log`` (appended; every replica of a kind shares the file, and O_APPEND keeps whole
-lines whole) and to stdout, which supervisord keeps per process for tracebacks.
+lines whole); warnings and errors also go to stdout, which supervisord keeps per process beside any
+traceback.
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ def render_line(_, __, event_dict) -> str:
     return " ".join(parts)
 
 
-class _Tee:
-    """A file-like that writes each line to the node-kind log file and to stdout."""
+class _NodeLogger:
+    """Where rendered lines go: every line to the node-kind log file; warnings and errors also to
+    stdout, which supervisord keeps per process beside the tracebacks. Routine lines (one per request
+    on a gateway, one per step elsewhere) skip stdout: the pipe to supervisord costs CPU on every line."""
 
     def __init__(self, path: Path | None, echo: bool = True):
         self.echo = echo
@@ -69,25 +72,31 @@ class _Tee:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a", buffering=1)
 
-    def write(self, text: str):
+    def _write(self, line: str, loud: bool) -> None:
         if self._file is not None:
-            self._file.write(text)
-        if self.echo:
-            sys.stdout.write(text)
+            self._file.write(line + "\n")
+        if self.echo and (loud or self._file is None):
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
 
-    def flush(self):
-        if self._file is not None:
-            self._file.flush()
-        sys.stdout.flush()
+    def info(self, line: str) -> None:
+        self._write(line, loud=False)
+
+    debug = msg = info
+
+    def warning(self, line: str) -> None:
+        self._write(line, loud=True)
+
+    error = critical = exception = warn = warning
 
 
 def setup_logging(kind: str, log_dir: Path | None, echo: bool = True, **bound):
     """Configure structlog for this process and return a logger bound to the node's tag."""
     tag, fname = LOG_NAMES.get(kind, (kind, kind))
-    sink = _Tee(log_dir / f"{fname}.log" if log_dir is not None else None, echo)
+    sink = _NodeLogger(log_dir / f"{fname}.log" if log_dir is not None else None, echo)
     structlog.configure(
         processors=[structlog.processors.add_log_level, render_line],
-        logger_factory=structlog.WriteLoggerFactory(file=sink),
+        logger_factory=lambda *_: sink,
         cache_logger_on_first_use=True,
     )
     return structlog.get_logger().bind(_tag=tag, **bound)
