@@ -118,6 +118,9 @@ def make_engine(topo, base=None, model_path=None):
                                  backend="nccl" if topo.model.device.startswith("cuda") else "gloo")
     engine = TorchTrainEngine(topo, path, publish=publish, dp=dp)
     engine.release = lambda version: writer is not None and writer.mark_released(version)
+    # At exit the run's weight buffers go (rollout workers copied what they serve into their own
+    # parameters); a crash leaves them, and the next writer of the same name replaces them.
+    engine.close_weights = lambda: writer is not None and writer.close()
     if topo.trainer_engine.eval_interval <= 0:
         return engine, None
     driver = GuessDriver(load_tokenizer(path), n=topo.agent.task_size, max_turns=topo.agent.max_turns)
@@ -316,6 +319,8 @@ def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
         pool.shutdown(wait=False, cancel_futures=True)
         if getattr(engine, "dp", None) is not None and job is None:
             engine.dp.close()  # tell the other ranks to stop (mid-update, killasgroup stops them)
+        if hasattr(engine, "close_weights"):
+            engine.close_weights()
         steps_file.close()
         shell.close()
     return 0
