@@ -165,6 +165,13 @@ def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
     if folder is not None and topo.trainer_engine.kind == "torch":
         engine.load_optimizer(folder)
     shell.version = version
+    # A resumed run's consumption count continues too: agents measure the batch from it.
+    shell.metrics.inc("samples", len(consumed))
+    busy_errors: tuple[type[Exception], ...] = ()
+    if topo.trainer_engine.kind == "torch":
+        from areal_bus.weights_shm import BufferBusy
+
+        busy_errors = (BufferBusy,)
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compute")
     steps_file = open(shell.log_dir / "train_steps.jsonl", "a", buffering=1)
     shell.announce_start(engine=topo.trainer_engine.kind, mode="async" if topo.is_async else "sync",
@@ -200,8 +207,8 @@ def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
             try:
                 location, nbytes = engine.export_weights(v)
                 break
-            except Exception as err:  # BufferBusy only; anything else propagates
-                if type(err).__name__ != "BufferBusy" or shell.stopping.is_set():
+            except busy_errors:
+                if shell.stopping.is_set():
                     raise
                 if time.monotonic() - from_busy > 10:
                     shell.log.warning("waiting_for_readers", version=v, committed=committed)
