@@ -7,27 +7,34 @@ replicas: the gateway node is replica 0, and this process binds replica 1's ``gw
 ``BusBackend`` of its own, so every mode reaches the same worker over the same kind of socket:
 
     direct      BusBackend.generate(prompt ids), in this process             (the baseline)
-    gateway     POST /v1/chat/completions to the gateway node (admin token: served, not recorded)
-    in-process  the same request to the same gateway app (make_app) served from this process's
+    gateway     POST /v1/chat/completions to the gateway node with the admin token (served, not recorded)
+    session     the same request with a session key, as agents make it: recorded into the session.
+                The key comes from POST /rl/sessions (admin token); every SESSION_TURNS turns the
+                session is ended (its trajectories emitted) and a new one opened, outside the timing
+    in-process  the session request to the same gateway app (make_app) served from this process's
                 event loop on this process's BusBackend: the gateway's code without its process
     http floor  GET /health on the gateway node: an HTTP round trip to it, no work behind it
 
 Every mode does the same work: the same prompt ids (the chat rendered by the policy's template; the
 gateway's usage.prompt_tokens is checked against them) and max_tokens 2 at temperature 0 (greedy, so
-the same completion; checked too). Each round sends --requests requests of every mode one at a time,
-the modes taking turns request by request (so whatever else loads this shared machine hits them
-alike), then runs each mode with --clients concurrent clients for --seconds (requests/s). Latency
-percentiles are over all rounds' requests; requests/s is the median of the rounds, its ratio to
+the same completion; checked too). A session's turns all send the same conversation, so each turn is
+recorded as a new segment of the session (a rewritten history: match, record and canonical() all run)
+rather than a growing one, which would make its prompt, and so the worker's work, differ from direct's.
+Each round sends --requests requests of every mode one at a time, the modes taking turns request by
+request (so whatever else loads this shared machine hits them alike), then runs each mode with
+--clients concurrent clients for --seconds (requests/s; a session client's include its session ends
+and opens). Latency percentiles are over all rounds' requests; requests/s is the median of the rounds, its ratio to
 direct the median of the rounds' ratios. Where the time goes: CPU per request of each process under
 load (/proc) and of this process per sequential request, and the stages of the in-process gateway's
 sequential requests (perf_counter around its methods; the wrappers cost microseconds).
 
-Run:  .venv/bin/python bench/gateway.py                                      (~80 s on 2 cores)
-      .venv/bin/python bench/gateway.py --rounds 2 --requests 100 --seconds 1  (smoke test, ~30 s)
+Run:  .venv/bin/python bench/gateway.py                                      (~2 min on 2 cores)
+      .venv/bin/python bench/gateway.py --rounds 2 --requests 100 --seconds 1  (smoke test, ~45 s)
 
 The last line is ``RESULT added_p50_ms=... added_p99_ms=... direct_p50_ms=... gateway_p50_ms=...
-direct_p99_ms=... gateway_p99_ms=... gateway_rps=... direct_rps=... rps_ratio=... inproc_added_p50_ms=...``;
-the target is added_p50_ms <= 1.
+direct_p99_ms=... gateway_p99_ms=... gateway_rps=... direct_rps=... rps_ratio=... inproc_added_p50_ms=...``
+for the session path (the one agents take; ``admin_added_p50_ms`` is the admin token's); the target is
+added_p50_ms <= 1.
 """
 
 from __future__ import annotations
@@ -71,7 +78,8 @@ from nodes.gateway.chat import ChatRenderer  # noqa: E402
 AREAL_BUS = Path(sys.executable).parent / "areal-bus"
 MODEL = ROOT / "models" / "tiny-guess"
 MESSAGES = [{"role": "user", "content": "Guess the number: it is between 1 and 16."}]
-MODES = ("direct", "gateway", "in-process")
+MODES = ("direct", "gateway", "session", "in-process")
+SESSION_TURNS = 4  # turns per session before it is ended and a new one opened (an episode of a short game)
 WORKER = "rollout-0"
 START_TIMEOUT_S = 180.0  # first start imports torch and transformers in several processes on 2 cores
 REQUEST_TIMEOUT_S = 30.0  # one tiny completion; longer means a stuck node: fail, do not hang
@@ -83,6 +91,9 @@ def topology(work: Path, port: int) -> dict:
     return {
         "name": "bench-gateway",
         "rollout_workers": 1,
+        # Nothing trains, so no update ever reopens session admission: a budget no run here exhausts.
+        "staleness_threshold": 64, "queue_max_size": 1_000_000, "trigger_batch_size": 1_000_000,
+        "global_batch_size": 1_000_000, "mini_batch_size": 1,
         "logging": {"log_dir": str(work / "logs")},
         "model": {"path": str(MODEL), "threads": 1},
         "agent": {"framework": "guess"},
@@ -209,24 +220,53 @@ class Clients:
     async def direct(self):
         return await self.backend.generate("", self.prompt_ids, self.params)
 
-    async def chat(self, mode: str) -> dict:
-        async with self.http.post(f"{self.urls[mode]}/v1/chat/completions", data=self.body, headers=self.headers) as r:
+    async def chat(self, mode: str, headers: dict | None = None) -> dict:
+        url = f"{self.urls[mode]}/v1/chat/completions"
+        async with self.http.post(url, data=self.body, headers=headers or self.headers) as r:
             raw = await r.read()
             if r.status != 200:
                 raise RuntimeError(f"{mode} answered {r.status}: {raw[:500]!r}")
             return json.loads(raw)
 
+    async def admin(self, mode: str, path: str, status: int) -> dict:
+        async with self.http.post(f"{self.urls[mode]}{path}", headers=self.headers) as r:
+            raw = await r.read()
+            if r.status != status:
+                raise RuntimeError(f"POST {path} to {mode} answered {r.status}: {raw[:500]!r}")
+            return json.loads(raw)
+
     async def gateway(self) -> dict:
         return await self.chat("gateway")
-
-    async def in_process(self) -> dict:
-        return await self.chat("in-process")
 
     async def health(self) -> None:
         async with self.http.get(f"{self.urls['gateway']}/health") as r:
             await r.read()
             if r.status != 200:
                 raise RuntimeError(f"GET /health answered {r.status}")
+
+
+class Agent:
+    """One agent's sessions on one gateway: a session key for its chat calls, renewed (the session
+    ended, a new one opened) every SESSION_TURNS turns."""
+
+    def __init__(self, clients: Clients, mode: str):
+        self.clients, self.mode = clients, mode
+        self.url = "gateway" if mode == "session" else mode
+        self.sid, self.headers, self.turns = None, None, 0
+
+    async def renew_if_due(self) -> None:
+        if self.sid is not None and self.turns < SESSION_TURNS:
+            return
+        if self.sid is not None:
+            await self.clients.admin(self.url, f"/rl/sessions/{self.sid}/end", 200)
+        opened = await self.clients.admin(self.url, "/rl/sessions", 201)
+        self.sid, self.turns = opened["session_id"], 0
+        self.headers = {"Authorization": f"Bearer {opened['api_key']}", "Content-Type": "application/json"}
+
+    async def turn(self) -> dict:
+        await self.renew_if_due()  # done beforehand (untimed) in the sequential requests
+        self.turns += 1
+        return await self.clients.chat(self.url, self.headers)
 
 
 async def wait_ready(system: System, clients: Clients) -> tuple:
@@ -250,9 +290,10 @@ async def wait_ready(system: System, clients: Clients) -> tuple:
     return comp, resp
 
 
-async def concurrent(call, clients: int, seconds: float, cpu=dict) -> tuple[float, dict[str, float]]:
-    """Requests/s of ``clients`` closed-loop clients over ``seconds``, and the CPU seconds per request
-    of each process ``cpu()`` reads."""
+async def concurrent(make_call, clients: int, seconds: float, cpu=dict) -> tuple[float, dict[str, float]]:
+    """Requests/s of ``clients`` closed-loop clients over ``seconds`` (each client's requests made by
+    its own ``make_call()``; a session client's include its session ends and opens), and the CPU
+    seconds per request of each process ``cpu()`` reads."""
     done = 0
     cpu0 = cpu()
     t0 = time.perf_counter()
@@ -260,6 +301,7 @@ async def concurrent(call, clients: int, seconds: float, cpu=dict) -> tuple[floa
 
     async def client():
         nonlocal done
+        call = make_call()
         while time.perf_counter() < stop_at:
             await asyncio.wait_for(call(), REQUEST_TIMEOUT_S)
             done += 1
@@ -284,16 +326,24 @@ async def measure(args, system: System, clients: Clients, stages: Stages) -> Res
     if usage["prompt_tokens"] != clients.prompt_ids.size or usage["completion_tokens"] != comp.output_ids.size:
         raise RuntimeError(f"the modes do different work: gateway usage {usage} vs direct prompt "
                            f"{clients.prompt_ids.size} / completion {comp.output_ids.size} tokens")
-    if (await clients.in_process())["usage"] != usage:
-        raise RuntimeError("the in-process gateway does different work from the gateway node")
+    agents = {mode: Agent(clients, mode) for mode in ("session", "in-process")}
+    for mode, agent in agents.items():
+        if (await agent.turn())["usage"] != usage:
+            raise RuntimeError(f"the {mode} path does different work from the gateway node's admin path")
     print(f"ready: prompt {clients.prompt_ids.size} tokens, completion {comp.output_ids.size} tokens "
           f"({comp.finish_reason}) in every mode", flush=True)
-    calls = {"direct": clients.direct, "gateway": clients.gateway, "in-process": clients.in_process,
-             "http floor": clients.health}
+    calls = {"direct": clients.direct, "gateway": clients.gateway, "session": agents["session"].turn,
+             "in-process": agents["in-process"].turn, "http floor": clients.health}
+    prep = {mode: agent.renew_if_due for mode, agent in agents.items()}  # untimed: session end and open
+
+    def per_client(mode: str):  # concurrent clients: each session mode's client is an agent of its own
+        return (lambda: Agent(clients, mode).turn) if mode in agents else (lambda: calls[mode])
     for mode in MODES:  # warm-up: connections open, code paths and allocators warm
         for _ in range(50):
+            if mode in prep:
+                await prep[mode]()
             await calls[mode]()
-        await concurrent(calls[mode], args.clients, 0.3)
+        await concurrent(per_client(mode), args.clients, 0.3)
     res = Results({mode: [] for mode in calls}, {mode: [] for mode in calls}, {mode: [] for mode in MODES},
                   {mode: [] for mode in MODES}, stages)
     lat = res.lat
@@ -307,6 +357,8 @@ async def measure(args, system: System, clients: Clients, stages: Stages) -> Res
             lat[mode].append([])
         for _ in range(args.requests):
             for mode in order:
+                if mode in prep:
+                    await prep[mode]()
                 stages.on = mode == "in-process"
                 t0, c0 = time.perf_counter(), time.process_time()
                 await calls[mode]()
@@ -315,7 +367,7 @@ async def measure(args, system: System, clients: Clients, stages: Stages) -> Res
                 stages.end(lat[mode][-1][-1])
         stages.on = False
         for mode in order[:-1]:
-            rate, used = await concurrent(calls[mode], args.clients, args.seconds, cpu_now)
+            rate, used = await concurrent(per_client(mode), args.clients, args.seconds, cpu_now)
             res.rps[mode].append(rate)
             res.cpu[mode].append(used)
         print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
@@ -363,7 +415,7 @@ def report(args, res: Results) -> None:
         "handler outside complete(): auth, body, parse, JSON response": [r["handler"] - r["complete"] for r in rows],
         "chat template + tokenize (renderer.prompt_ids)": [r["template"] for r in rows],
         "decode the completion (_postprocess)": [r["decode"] for r in rows],
-        "rest of complete(): task, shield, response dict, log line": [
+        "rest of complete(): session task, response dict, log call": [
             r["complete"] - r["generate"] - r["template"] - r["decode"] for r in rows],
         "backend.generate from the gateway, minus direct p50": [r["generate"] - p50["direct"] / 1e3 for r in rows],
     }
@@ -371,19 +423,21 @@ def report(args, res: Results) -> None:
           f"{len(rows)} requests; medians do not add up exactly):")
     for name, xs in parts.items():
         print(f"  {name:<62}{pct(xs, 50):>7.3f} ms")
-    added_p50, added_p99 = p50["gateway"] - p50["direct"], p99["gateway"] - p99["direct"]
+    added_p50, added_p99 = p50["session"] - p50["direct"], p99["session"] - p99["direct"]
+    admin_p50 = p50["gateway"] - p50["direct"]
     inproc = p50["in-process"] - p50["direct"]
     here = {mode: pct(res.here_cpu[mode], 50) for mode in ("direct", "in-process")}
     print(f"CPU of this process per sequential request (p50): direct {here['direct']:.2f} ms, in-process "
           f"{here['in-process']:.2f} ms: +{here['in-process'] - here['direct']:.2f} ms of CPU against +{inproc:.2f} ms "
           f"of latency")
-    print(f"gateway node +p50 {added_p50:.2f} ms (target <= 1 ms) = its code +{inproc:.2f} ms (in-process) and its "
+    print(f"gateway node, session key +p50 {added_p50:.2f} ms (target <= 1 ms; admin token {admin_p50:+.2f} ms) = its "
+          f"code +{inproc:.2f} ms (in-process) and its "
           f"own process on the path {added_p50 - inproc:+.2f} ms (an HTTP round trip to it alone: "
           f"{p50['http floor']:.2f} ms). Load at the end: {os.getloadavg()[0]:.1f}")
     print(f"RESULT added_p50_ms={added_p50:.3f} added_p99_ms={added_p99:.3f} direct_p50_ms={p50['direct']:.3f} "
-          f"gateway_p50_ms={p50['gateway']:.3f} direct_p99_ms={p99['direct']:.3f} gateway_p99_ms={p99['gateway']:.3f} "
-          f"gateway_rps={med_rps['gateway']:.1f} direct_rps={med_rps['direct']:.1f} rps_ratio={ratio['gateway']:.3f} "
-          f"inproc_added_p50_ms={inproc:.3f}")
+          f"gateway_p50_ms={p50['session']:.3f} direct_p99_ms={p99['direct']:.3f} gateway_p99_ms={p99['session']:.3f} "
+          f"gateway_rps={med_rps['session']:.1f} direct_rps={med_rps['direct']:.1f} rps_ratio={ratio['session']:.3f} "
+          f"inproc_added_p50_ms={inproc:.3f} admin_added_p50_ms={admin_p50:.3f}")
 
 
 async def run(args, work: Path, token: str):

@@ -8,6 +8,7 @@ and produced; rewards; idle expiry; disconnects; admission; 200 concurrent sessi
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 
 import numpy as np
@@ -278,6 +279,27 @@ def test_a_client_that_disconnects_mid_request_loses_nothing(gateway):
     with pytest.raises(openai.APITimeoutError):
         gw.client(key=s["api_key"], timeout=0.1).chat.completions.create(
             model=POLICY, messages=[{"role": "user", "content": GAME}])
+    r = gw.post(f"/rl/sessions/{s['session_id']}/end")  # waits for the turn in flight
+    assert r.json()["completions"] == 1
+    [t] = gw.emitted
+    assert np.array_equal(t.output_ids, backend.history[0][1].output_ids)
+
+
+def test_a_cancelled_request_handler_still_records_its_turn(gateway):
+    # aiohttp can cancel a handler when its client leaves (handler_cancellation) and does at shutdown:
+    # the turn is recorded all the same.
+    from nodes.gateway.openai_api import parse_chat_request
+
+    backend = ScriptedBackend(["42"], delay_s=0.5)
+    gw = gateway(backend=backend)
+    s = gw.open_session()
+    session = gw.call(lambda: gw.gateway.store.get(s["session_id"]))
+    req = parse_chat_request({"model": POLICY, "messages": [{"role": "user", "content": GAME}]})
+    handler = asyncio.run_coroutine_threadsafe(gw.gateway.complete(req, session, time.monotonic()), gw.loop)
+    time.sleep(0.1)
+    handler.cancel()
+    with pytest.raises(concurrent.futures.CancelledError):
+        handler.result(timeout=5)
     r = gw.post(f"/rl/sessions/{s['session_id']}/end")  # waits for the turn in flight
     assert r.json()["completions"] == 1
     [t] = gw.emitted

@@ -18,8 +18,9 @@ for smoke tests); a session key works for chat calls (recorded into its session)
 session's /rl routes. Policy requests go to ``backend`` (backend.Backend); other models go to
 ``router.chat(model, request)`` when a router is given, else 404 model_not_found.
 
-Recording never depends on the client: a turn's generation and its recording run in a task of their
-own, which a disconnect does not cancel. Sessions idle longer than ``session_idle_timeout_s`` are
+Recording never depends on the client: a session turn's generation and its recording run in a task of
+their own, which a disconnect does not cancel (an admin call, with nothing to record, is generated in
+its handler). Sessions idle longer than ``session_idle_timeout_s`` are
 ended by a sweeper; at shutdown every open session is ended (``end_reason`` "shutdown") and emitted.
 
 Build and serve (the gateway node's ``run`` does this with the bus backend)::
@@ -33,7 +34,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import functools
 import hmac
+import itertools
 import json
 import math
 import secrets
@@ -52,6 +55,11 @@ from nodes.gateway.openai_api import (SSE_DONE, ChatRequest, OpenAIError, comple
                                       model_card, parse_chat_request, reward_fields, router_error, sse,
                                       stream_chunks, token_logprobs)
 from nodes.gateway.sessions import Choice, Session, SessionStore
+
+try:  # optional: a JSON codec several times faster than json's, on every request and response body
+    import orjson
+except ImportError:
+    orjson = None
 
 EXPIRY_SWEEP_MAX_S = 1.0
 """The idle sweeper runs at least this often (more often for short timeouts: a quarter of the timeout),
@@ -137,6 +145,8 @@ class Gateway:
         self.jobs: dict[str, set[asyncio.Task]] = {}
         self.unemitted: list = []
         self._sweeper: asyncio.Task | None = None
+        # Response ids of unrecorded requests: unique, not secret, so a counter (no urandom per request).
+        self._rid_prefix, self._rids = secrets.token_hex(6), itertools.count()
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -148,6 +158,11 @@ class Gateway:
                               f"bytes (max_body_bytes in the gateway config).", code="request_too_large") from None
         if not raw:
             return None
+        if orjson is not None:
+            try:
+                return orjson.loads(raw)
+            except orjson.JSONDecodeError:  # what json accepts besides (NaN, huge ints) or the error it names
+                pass
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -240,9 +255,10 @@ class Gateway:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         t0 = time.monotonic()
-        self.principal(request)  # a bad key is a 401 before anything else is looked at
+        who = self.principal(request)  # a bad key is a 401 before anything else is looked at
         data = await self.read_json(request)
-        who = self.principal(request)  # again: the session may have ended while the body arrived
+        if who is not ADMIN and who.closing:  # the session ended while the body arrived: say how, as a 401
+            who = self.principal(request)
         req = parse_chat_request(data)
         if req.model != self.cfg.policy_model:
             resp = await self.routed(req.model, data, t0)
@@ -252,7 +268,7 @@ class Gateway:
                 return resp
         if req.stream:
             return await self._stream(request, resp, None, bool(req.stream_options and req.stream_options.include_usage))
-        return web.json_response(resp)
+        return json_response(resp)
 
     async def routed(self, model: str, data: dict, t0: float) -> dict:
         if self.router is None:
@@ -306,19 +322,28 @@ class Gateway:
         parse_tools = bool(tools) and req.tool_choice != "none"
         n = req.n or 1
 
+        loop = asyncio.get_running_loop()
+        result = None
         if session is not None:
+            # The turn is generated and recorded in a task of its own, which hands its outcome to a
+            # future of ours: a disconnect cancels this handler and that future, never the recording.
             self.store.begin(session)
-        job = asyncio.get_running_loop().create_task(
-            self._generate_and_record(session, base, prompt, env_ids, history, tools_key, n, params, stops,
-                                      parse_tools))
-        if session is not None:
+            result = loop.create_future()
+            job = loop.create_task(self._generate_and_record(session, base, prompt, env_ids, history, tools_key, n,
+                                                             params, stops, parse_tools, result))
             self.jobs.setdefault(session.id, set()).add(job)
         stream = None
         if stream_to is not None:  # headers now; the text follows when the whole completion is back
             stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await stream.prepare(stream_to)
         try:
-            outs, indices = await asyncio.shield(job)  # a disconnect cancels us, never the recording
+            if result is not None:
+                outs, indices = await result
+            else:  # nothing to record: generated right here (no task), and a disconnect loses nothing
+                outs, failed = await self._generate("", prompt, params, n, stops, parse_tools)
+                if failed is not None:
+                    raise failed
+                indices = []
         except ValueError as exc:  # the backend refused the request
             err = OpenAIError(400, f"The engine refused the request: {exc}", code="invalid_request")
             if stream is None:
@@ -333,7 +358,8 @@ class Gateway:
             await _write_quietly(stream, sse(err.body()) + SSE_DONE)
             return stream, []
 
-        rid = f"chatcmpl-{session.id}-{indices[0]}" if session is not None else f"chatcmpl-{secrets.token_hex(12)}"
+        rid = (f"chatcmpl-{session.id}-{indices[0]}" if session is not None
+               else f"chatcmpl-{self._rid_prefix}{next(self._rids)}")
         choices = []
         for out in outs:
             choice = {"message": out.message, "finish_reason": out.finish_reason}
@@ -344,39 +370,60 @@ class Gateway:
             choices.append(choice)
         completion_tokens = sum(int(o.completion.output_ids.size) for o in outs)
         resp = completion_response(rid, req.model, choices, int(prompt.size), completion_tokens)
-        self.log.info("request", route="chat", model=req.model, routed_to="policy",
-                      session=session.id if session is not None else "-", prompt_tokens=int(prompt.size),
-                      completion_tokens=completion_tokens, n=n, stream=bool(stream_to),
-                      ms=round((time.monotonic() - t0) * 1000))
+        # Rendered once this handler has handed its response to the transport (call_soon runs after the
+        # current step; lines keep their order): the line costs the loop, not this request's latency.
+        loop.call_soon(functools.partial(
+            self.log.info, "request", route="chat", model=req.model, routed_to="policy",
+            session=session.id if session is not None else "-", prompt_tokens=int(prompt.size),
+            completion_tokens=completion_tokens, n=n, stream=bool(stream_to),
+            ms=round((time.monotonic() - t0) * 1000)))
         if stream is not None:
             pieces = [self.renderer.text_pieces(o.completion.output_ids, o.message.get("content") or "") for o in outs]
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await self._stream(stream_to, resp, pieces, include_usage, stream), outs
         return resp, outs
 
-    async def _generate_and_record(self, session, base, prompt, env_ids, history, tools_key, n, params, stops,
-                                   parse_tools):
-        try:
-            sid = session.id if session is not None else ""
+    async def _generate(self, sid: str, prompt, params, n: int, stops,
+                        parse_tools) -> tuple[list[_Out], BaseException | None]:
+        """The choices that came back, post-processed, and the first failure (None if all came back)."""
+        if n == 1:  # the usual request: no gather, whose task per choice costs a loop iteration or two
+            try:
+                comps, failed = [await self.backend.generate(sid, prompt, params)], None
+            except Exception as exc:
+                comps, failed = [], exc
+        else:
             results = await asyncio.gather(*(self.backend.generate(sid, prompt, params) for _ in range(n)),
                                            return_exceptions=True)
             comps = [r for r in results if not isinstance(r, BaseException)]
-            outs = [self._postprocess(c, stops, parse_tools) for c in comps]
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
+        return [self._postprocess(c, stops, parse_tools) for c in comps], failed
+
+    async def _generate_and_record(self, session, base, prompt, env_ids, history, tools_key, n, params, stops,
+                                   parse_tools, result: asyncio.Future) -> None:
+        """Generate a session's turn and record it; the outcome (outs, indices) or the failure goes to
+        ``result`` unless the client left (then it is dropped: the record is what mattered)."""
+        try:
+            outs, failed = await self._generate(session.id, prompt, params, n, stops, parse_tools)
             indices = []
-            if session is not None and outs:
+            if outs:
                 choices = [Choice(o.completion, o.message, _closed(o.completion, self.renderer.eos_id),
                                   (*history, canonical(o.message)), params.temperature) for o in outs]
                 indices = self.store.record(session, base, prompt, env_ids, tools_key, choices)
-            failed = [r for r in results if isinstance(r, BaseException)]
-            if failed:
-                raise failed[0]
-            return outs, indices
+            if failed is not None:
+                raise failed
+            if not result.done():
+                result.set_result((outs, indices))
+        except Exception as exc:  # handed to the handler, which answers with it
+            if not result.done():
+                result.set_exception(exc)
+        except BaseException:  # cancelled (the loop is closing): the handler must not wait forever
+            result.cancel()
+            raise
         finally:
-            if session is not None:
-                self.store.finish(session)
-                jobs = self.jobs.get(session.id)
-                if jobs is not None:
-                    jobs.discard(asyncio.current_task())
+            self.store.finish(session)
+            jobs = self.jobs.get(session.id)
+            if jobs is not None:
+                jobs.discard(asyncio.current_task())
 
     def _postprocess(self, comp, stops: list[str], parse_tools: bool) -> _Out:
         ids = comp.output_ids
@@ -416,7 +463,7 @@ class Gateway:
 
     async def list_models(self, request: web.Request) -> web.Response:
         self.principal(request)
-        return web.json_response({"object": "list", "data": [model_card(m) for m in self.model_ids()]})
+        return json_response({"object": "list", "data": [model_card(m) for m in self.model_ids()]})
 
     async def get_model(self, request: web.Request) -> web.Response:
         self.principal(request)
@@ -424,7 +471,7 @@ class Gateway:
         if model not in self.model_ids():
             raise OpenAIError(404, f"The model '{model}' does not exist on this gateway.", code="model_not_found",
                               param="model")
-        return web.json_response(model_card(model))
+        return json_response(model_card(model))
 
     # -- Anthropic --------------------------------------------------------------------------------
 
@@ -451,7 +498,7 @@ class Gateway:
             events = anthropic_api.stream_events(resp, model)
             await _write_quietly(stream, b"".join(anthropic_api.format_sse(e, d) for e, d in events))
             return stream
-        return web.json_response(anthropic_api.from_openai_response(resp, model))
+        return json_response(anthropic_api.from_openai_response(resp, model))
 
     async def anthropic_count_tokens(self, request: web.Request) -> web.Response:
         try:
@@ -466,7 +513,7 @@ class Gateway:
             raise anthropic_api.AnthropicError(400, str(exc)) from None
         except OpenAIError as err:
             raise anthropic_api.AnthropicError(err.status, err.message) from None
-        return web.json_response(anthropic_api.count_tokens_response(n))
+        return json_response(anthropic_api.count_tokens_response(n))
 
     def _anthropic_principal(self, request: web.Request):
         key = anthropic_api.api_key_from_headers(request.headers)
@@ -508,12 +555,12 @@ class Gateway:
                                            "retry-after-ms": str(int(wait * 1000))})
         session, key = self.store.create(meta=meta, group_id=group_id)
         self.log.info("session_opened", session=session.id, open=len(self.store.sessions))
-        return web.json_response({"session_id": session.id, "api_key": key, "model": self.cfg.policy_model,
-                                  "idle_timeout_s": self.cfg.session_idle_timeout_s}, status=201)
+        return json_response({"session_id": session.id, "api_key": key, "model": self.cfg.policy_model,
+                              "idle_timeout_s": self.cfg.session_idle_timeout_s}, status=201)
 
     async def get_session(self, request: web.Request) -> web.Response:
         s = self._session_for(request)
-        return web.json_response({
+        return json_response({
             "session_id": s.id, "completions": s.completions, "branches": len(s.branches),
             "segments": s.segments, "inflight": s.inflight,
             "idle_s": round(self.store.clock() - s.last_active, 3), "reward": s.outcome,
@@ -529,8 +576,8 @@ class Gateway:
             raise OpenAIError(404, exc.args[0], param="completion_index", code="completion_not_found") from None
         except ValueError as exc:
             raise OpenAIError(400, str(exc), code="invalid_value") from None
-        return web.json_response({"session_id": session.id, "completion_index": index, "reward": value,
-                                  "discount": session.discount})
+        return json_response({"session_id": session.id, "completion_index": index, "reward": value,
+                              "discount": session.discount})
 
     async def end(self, request: web.Request) -> web.Response:
         session = self._session_for(request)
@@ -544,12 +591,24 @@ class Gateway:
             except ValueError as exc:
                 raise OpenAIError(400, str(exc), code="invalid_value") from None
         trajs = await self.end_session(session, "ended")
-        return web.json_response({"session_id": session.id, "trajectories": [t.traj_id for t in trajs],
-                                  "completions": session.completions})
+        return json_response({"session_id": session.id, "trajectories": [t.traj_id for t in trajs],
+                              "completions": session.completions})
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "sessions": len(self.store.sessions),
-                                  "policy_model": self.cfg.policy_model})
+        return json_response({"status": "ok", "sessions": len(self.store.sessions),
+                              "policy_model": self.cfg.policy_model})
+
+
+def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
+    """web.json_response, with orjson when it is installed and can encode ``data`` (json otherwise)."""
+    if orjson is not None:
+        try:
+            body = orjson.dumps(data)
+        except TypeError:  # a type orjson does not encode (numpy scalar, non-str key): json's rules
+            body = json.dumps(data).encode()
+    else:
+        body = json.dumps(data).encode()
+    return web.Response(body=body, status=status, headers=headers, content_type="application/json", charset="utf-8")
 
 
 def _closed(comp, eos_id: int) -> bool:
@@ -574,11 +633,11 @@ async def _errors(request: web.Request, handler):
     except OpenAIError as err:
         request.app[GATEWAY].log.info("request_refused", route=request.path, status=err.status, code=err.code)
         if anthropic:
-            return web.json_response(anthropic_api.error_body(err.status, err.message), status=err.status)
-        return web.json_response(err.body(), status=err.status, headers=err.headers)
+            return json_response(anthropic_api.error_body(err.status, err.message), status=err.status)
+        return json_response(err.body(), status=err.status, headers=err.headers)
     except anthropic_api.AnthropicError as err:
         request.app[GATEWAY].log.info("request_refused", route=request.path, status=err.status)
-        return web.json_response(err.body, status=err.status)
+        return json_response(err.body, status=err.status)
     except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
         if exc.status < 400:
             raise
@@ -587,16 +646,16 @@ async def _errors(request: web.Request, handler):
                    405: f"Method {request.method} is not allowed on {request.path}.",
                    413: "Request body too large."}.get(exc.status, exc.reason)
         if anthropic:
-            return web.json_response(anthropic_api.error_body(exc.status, message), status=exc.status)
-        return web.json_response(error_body(message, code={404: "unknown_url", 405: "method_not_allowed",
-                                                           413: "request_too_large"}.get(exc.status)),
-                                 status=exc.status)
+            return json_response(anthropic_api.error_body(exc.status, message), status=exc.status)
+        return json_response(error_body(message, code={404: "unknown_url", 405: "method_not_allowed",
+                                                       413: "request_too_large"}.get(exc.status)),
+                             status=exc.status)
     except Exception as exc:  # deliberately tolerated: a bug of ours is a 500 in the API's shape, not a drop
         request.app[GATEWAY].log.error("internal_error", route=request.path, error=repr(exc))
         message = f"The gateway failed to handle the request ({type(exc).__name__}: {exc}); see the gateway log."
         if anthropic:
-            return web.json_response(anthropic_api.error_body(500, message), status=500)
-        return web.json_response(error_body(message, "server_error"), status=500)
+            return json_response(anthropic_api.error_body(500, message), status=500)
+        return json_response(error_body(message, "server_error"), status=500)
 
 
 def make_app(cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, emit=None, admission=None,

@@ -30,6 +30,11 @@ import secrets
 
 from jinja2 import TemplateError
 
+try:  # optional: faster keys for the render cache (json's otherwise; either is exact)
+    import orjson
+except ImportError:
+    orjson = None
+
 MARKER = "\x00"
 """A character no template or message contains: locates the end of the previous assistant turn."""
 
@@ -226,7 +231,7 @@ class ChatRenderer:
         GRPO group sends one first prompt n times, every game sends the same few environment replies.
         The key is the exact JSON of what is rendered, so a hit is the same token ids by construction."""
         try:
-            key = (kind, json.dumps(messages, sort_keys=True), json.dumps(tools, sort_keys=True) if tools else "")
+            key = (kind, _key(messages), _key(tools) if tools else "")
         except (TypeError, ValueError):  # not JSON-able: render uncached
             return render(messages, tools)
         hit = self._render_cache.get(key)
@@ -286,6 +291,18 @@ class ChatRenderer:
         if "".join(out) != content:  # the text was reshaped (tool calls taken out): one delta
             return [content] if content else []
         return out
+
+
+def _key(obj):
+    """The exact JSON of ``obj`` (keys sorted) as a cache key; TypeError / ValueError if it is not JSON."""
+    if orjson is not None:
+        try:
+            key = orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+        except TypeError:  # what json encodes besides (int keys, huge ints) or refuses as well
+            key = b"null"
+        if b"null" not in key:  # orjson writes NaN and inf as null too: json's spelling keeps them apart
+            return key
+    return json.dumps(obj, sort_keys=True)
 
 
 def _args_object(arguments):
