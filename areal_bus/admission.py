@@ -91,9 +91,13 @@ class Admission:
         return int(min(self.max_batch, max(self.min_batch, round((c1 - c0) / (v1 - v0)))))
 
     def capacity(self, version: int) -> int:
+        # AReaL's form with the largest batch is never exceeded: it also keeps a source from starting
+        # the next batch before the version that will train it is announced (synchronous mode).
+        by_version = capacity(version, self.staleness, self._share(self.max_batch), self.admitted)
         if not self.history:
-            return capacity(version, self.staleness, self._share(self.max_batch), self.admitted)
-        return max(0, self.consumed + self._share((self.staleness + 1) * self.batch) - self.admitted)
+            return by_version
+        by_consumption = self.consumed + self._share((self.staleness + 1) * self.batch) - self.admitted
+        return max(0, min(by_version, by_consumption))
 
     def consume(self, n: int = 1) -> None:
         """The trainer trained on ``n`` of this source's episodes."""

@@ -113,7 +113,10 @@ class EpisodeSource:
         rid = f"{eid}-t{ep.record.turns}"
         ep.request_id = rid
         req = m.GenerateRequest(
-            request_id=rid, episode_id=eid, ticket=ep.record.ticket, min_version=self.version,
+            # Synchronous mode must generate with the version that will train the sample; asynchronous
+            # mode takes whatever the worker serves (its tokens are tagged with it).
+            request_id=rid, episode_id=eid, ticket=ep.record.ticket,
+            min_version=0 if self.topo.is_async else self.version,
             max_tokens=self.driver.max_tokens, temperature=self.topo.rollout_engine.temperature,
             top_p=self.topo.rollout_engine.top_p, prompt_ids=ep.record.next_prompt(),
             reply_to=self.replica, group_id=ep.record.group_id)
@@ -224,6 +227,8 @@ def run(topo, replica: int = 0, base=None) -> int:
                 elif isinstance(msg, m.Event) and msg.name == "peer_restarted" and msg.fields.get("kind") == consumer_kind:
                     shell.log.warning("resent", trajectories=sender.resend(), reason=f"{msg.node_id} restarted")
                 elif isinstance(msg, m.RunState):
+                    # The trainer's own version: admission must not wait on the broadcaster being up.
+                    src.version = max(src.version, msg.version)
                     src.admission.observe(msg.version, msg.consumed)
                     if msg.finished and not src.finished:
                         src.finished = True

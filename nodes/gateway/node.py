@@ -92,6 +92,7 @@ def run(topo, replica: int = 0, base=None) -> int:
                 admission.give_back(sum(1 for t in msg.stale if t in emitted))
                 emitted.difference_update(msg.consumed, msg.stale, msg.duplicate)
             elif isinstance(msg, m.RunState):
+                shell.version = max(shell.version, msg.version)
                 admission.observe(msg.version, msg.consumed)
             elif isinstance(msg, m.Event) and msg.name == "peer_restarted" and msg.fields.get("kind") == consumer_kind:
                 shell.log.warning("resent", trajectories=sender.resend(), reason=f"{msg.node_id} restarted")
