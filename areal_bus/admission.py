@@ -91,13 +91,17 @@ class Admission:
         return int(min(self.max_batch, max(self.min_batch, round((c1 - c0) / (v1 - v0)))))
 
     def capacity(self, version: int) -> int:
-        # AReaL's form with the largest batch is never exceeded: it also keeps a source from starting
-        # the next batch before the version that will train it is announced (synchronous mode).
         by_version = capacity(version, self.staleness, self._share(self.max_batch), self.admitted)
         if not self.history:
             return by_version
         by_consumption = self.consumed + self._share((self.staleness + 1) * self.batch) - self.admitted
-        return max(0, min(by_version, by_consumption))
+        if self.sources == 1 or self.staleness == 0:
+            # AReaL's form at the largest batch is never exceeded either: it keeps synchronous mode
+            # from starting a batch before the version that trains it, and a lone source from
+            # settling into a pipeline too shallow to ever fill a full batch. With several sources
+            # it is left out: a source's share of versions would cap it even when it alone is busy.
+            return max(0, min(by_version, by_consumption))
+        return max(0, by_consumption)
 
     def consume(self, n: int = 1) -> None:
         """The trainer trained on ``n`` of this source's episodes."""

@@ -113,3 +113,19 @@ def test_giving_back_a_stale_slot_restores_capacity():
 def test_admission_rejects_impossible_settings(kwargs):
     with pytest.raises(ValueError):
         Admission(staleness=2, **kwargs)
+
+
+def test_a_busy_source_is_not_starved_by_an_idle_co_source():
+    """An agent beside an idle gateway: all consumption is the agent's, and its capacity keeps
+    reopening as its own episodes are trained on (its share bounds only what it has in flight)."""
+    adm = Admission(staleness=2, batch=32, sources=2, source_index=0, max_batch=64)
+    consumed = 0
+    for version in range(1, 40):
+        adm.admit(adm.capacity(version - 1))
+        in_flight = adm.admitted - adm.consumed
+        taken = min(in_flight, 64)  # the trainer takes what there is, up to global
+        consumed += taken
+        adm.consume(taken)
+        adm.observe(version, consumed)
+    assert adm.capacity(40) > 0
+    assert consumed >= 39 * 60  # full batches: not held to its share of the versions (32 each)
