@@ -568,7 +568,12 @@ class Gateway:
 
     async def reward_session(self, request: web.Request) -> web.Response:
         session = self._session_for(request)
-        body = await self.read_json(request)
+        value, index = self._reward(session, await self.read_json(request))
+        return json_response({"session_id": session.id, "completion_index": index, "reward": value,
+                              "discount": session.discount})
+
+    def _reward(self, session: Session, body) -> tuple[float, int | None]:
+        """Record a reward given in a request body, with the client errors it can raise."""
         value, index, discount = reward_fields(body, session.id)
         try:
             self.store.reward(session, value, index, discount)
@@ -576,20 +581,13 @@ class Gateway:
             raise OpenAIError(404, exc.args[0], param="completion_index", code="completion_not_found") from None
         except ValueError as exc:
             raise OpenAIError(400, str(exc), code="invalid_value") from None
-        return json_response({"session_id": session.id, "completion_index": index, "reward": value,
-                              "discount": session.discount})
+        return value, index
 
     async def end(self, request: web.Request) -> web.Response:
         session = self._session_for(request)
         body = await self.read_json(request)
         if body:  # optional: a last reward ({"reward": ..., "completion_index"?: ..., "discount"?: ...})
-            value, index, discount = reward_fields(body, session.id)
-            try:
-                self.store.reward(session, value, index, discount)
-            except KeyError as exc:
-                raise OpenAIError(404, exc.args[0], param="completion_index", code="completion_not_found") from None
-            except ValueError as exc:
-                raise OpenAIError(400, str(exc), code="invalid_value") from None
+            self._reward(session, body)
         trajs = await self.end_session(session, "ended")
         return json_response({"session_id": session.id, "trajectories": [t.traj_id for t in trajs],
                               "completions": session.completions})
