@@ -149,6 +149,10 @@ class ReliableSender:
                 n += 1
         return n
 
+    def settle(self, ack) -> int:
+        """Forget every trajectory a TrajAck names: trained on, dropped as stale, or a duplicate."""
+        return self.ack(ack.consumed) + self.ack(ack.stale) + self.ack(ack.duplicate)
+
     def resend(self, older_than: float | None = None) -> int:
         """Queue unacked messages again: all of them, or those sent more than ``older_than`` s ago."""
         now = time.monotonic()

@@ -216,8 +216,7 @@ def run(topo, replica: int = 0, base=None) -> int:
                     src.version = max(src.version, msg.version)
                 elif isinstance(msg, m.TrajAck):
                     src.on_ack(msg)
-                    for ids in (msg.consumed, msg.stale, msg.duplicate):
-                        sender.ack(ids)
+                    sender.settle(msg)
                 elif isinstance(msg, m.Heartbeat) and msg.kind == "rollout":
                     src.on_claims(msg.node_id, msg.inflight)
                 elif isinstance(msg, m.Event) and msg.name == "peer_dead" and msg.fields.get("kind") == "rollout":

@@ -252,8 +252,7 @@ def run(topo, replica: int = 0, base=None) -> int:
         while not shell.stopping.is_set():
             for _, msg in shell.drain_hub():
                 if isinstance(msg, m.TrajAck):
-                    for ids in (msg.consumed, msg.stale, msg.duplicate):
-                        sender.ack(ids)
+                    sender.settle(msg)
                 elif isinstance(msg, m.Event) and msg.name == "peer_restarted" and msg.fields.get("kind") == "trainer":
                     shell.log.warning("resent", trajectories=sender.resend(), reason=f"{msg.node_id} restarted")
             while not sender.full:  # stop reading when the trainer is not keeping up: backpressure

@@ -86,8 +86,7 @@ def run(topo, replica: int = 0, base=None) -> int:
     def hub_tick() -> None:
         for _, msg in shell.drain_hub():
             if isinstance(msg, m.TrajAck):
-                for ids in (msg.consumed, msg.stale, msg.duplicate):
-                    sender.ack(ids)
+                sender.settle(msg)
                 admission.consume(sum(1 for t in msg.consumed if t in emitted))
                 admission.give_back(sum(1 for t in msg.stale if t in emitted))
                 emitted.difference_update(msg.consumed, msg.stale, msg.duplicate)
