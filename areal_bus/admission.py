@@ -70,6 +70,8 @@ class Admission:
         self.returned = 0
         self.consumed = 0  # this source's episodes the trainer has trained on
         self.history: list[tuple[int, int]] = []  # (version, consumed) as the trainer reported them
+        self._epoch: str | None = None  # the trainer incarnation whose totals we follow
+        self._base = (0, 0)  # (consumed, returned) when that incarnation started counting
 
     def _share(self, n: float) -> int:
         # Integer shares that add up to n exactly: the first (n % sources) sources take one more.
@@ -102,6 +104,28 @@ class Admission:
             # it is left out: a source's share of versions would cap it even when it alone is busy.
             return max(0, min(by_version, by_consumption))
         return max(0, by_consumption)
+
+    def follow(self, state, source: str) -> None:
+        """Take in a RunState: the trainer's progress and this source's totals (a malformed entry
+        is ignored; the next report, half a second later, carries the same totals)."""
+        self.observe(state.version, state.consumed)
+        entry = state.sources.get(source) if isinstance(state.sources, dict) else None
+        if isinstance(entry, list | tuple) and len(entry) == 2 and all(type(x) is int and x >= 0 for x in entry):
+            self.sync(state.incarnation, entry[0], entry[1])
+
+    def sync(self, epoch: str, consumed: int, stale: int) -> None:
+        """The trainer's running totals for this source (RunState.sources): trained on, dropped as
+        stale. Totals, not deltas, so a lost or repeated report changes nothing. A restarted trainer
+        (new ``epoch``) counts from zero again: its totals add to what the last one reported."""
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._base = (self.consumed, self.returned)
+        consumed += self._base[0]
+        returned = stale + self._base[1]
+        if consumed > self.consumed:
+            self.consume(consumed - self.consumed)
+        if returned > self.returned:
+            self.give_back(returned - self.returned)
 
     def consume(self, n: int = 1) -> None:
         """The trainer trained on ``n`` of this source's episodes."""

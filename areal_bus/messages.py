@@ -129,6 +129,7 @@ class Trajectory:
     finish_reason: str = "length"
     gen_seconds: float = 0.0
     meta: dict = field(default_factory=dict)
+    source: str = ""  # the episode source (agent or gateway incarnation) whose admission slot this is
 
     @property
     def start_version(self) -> int:
@@ -223,7 +224,7 @@ class VersionCommitted:
 class TrajAck:
     """trainer -> producers and agents (topic ``ack``). Ids the trainer has taken for good: trained
     on (``consumed``), dropped as over-stale (``stale``), or already seen (``duplicate``). Producers
-    forget these; the agent returns the admission slots of stale ones."""
+    forget these. Admission counts come from RunState.sources, which a lost ack cannot skew."""
 
     TAG: ClassVar[str]
     trainer_version: int
@@ -247,10 +248,17 @@ class Event:
 @message("run")
 @dataclass(slots=True)
 class RunState:
-    """trainer -> all (topic ``run``, snapshot-cached by the bus). Where training stands."""
+    """trainer -> all (topic ``run``, snapshot-cached by the bus). Where training stands.
+
+    Published after every update and stale drop and repeated every heartbeat interval, so a lost one
+    heals. ``sources`` maps each episode source (Trajectory.source) to its running totals
+    ``[consumed, stale]`` in this trainer ``incarnation``: admission is computed from these totals,
+    never from individual acks (PUB/SUB may lose a message; a total repeated is idempotent)."""
 
     TAG: ClassVar[str]
     version: int
     max_steps: int
     finished: bool
     consumed: int
+    incarnation: str = ""
+    sources: dict = field(default_factory=dict)

@@ -4,8 +4,9 @@
 turn into a GenerateRequest, folds each Completion into the episode's token record, and emits the
 finished episode as one Trajectory. It tracks every generation request until its completion arrives:
 a request held by a rollout worker that dies (or sitting in its pipe) is issued again under the same
-id; a completion that arrives twice is ignored. Episodes stay admitted until the trainer acknowledges
-them; those it drops as over-stale give their slot back.
+id; a completion that arrives twice is ignored. Episodes stay admitted until the trainer's run state
+counts them (consumed, or dropped as over-stale, which gives the slot back); those totals are repeated,
+so a lost hub message never leaks a slot.
 
 A driver plays the task: ``sim`` (synthetic single-turn prompts, output lengths drawn by the simulated
 engine) here; real multi-turn tasks plug in the same way.
@@ -67,8 +68,9 @@ class _Episode:
 
 
 class EpisodeSource:
-    def __init__(self, topo, replica: int, replicas: int, driver=None):
+    def __init__(self, topo, replica: int, replicas: int, driver=None, source: str = ""):
         self.topo = topo
+        self.source = source or f"agent-{replica}"  # names our episodes in the trainer's totals
         self.replica = replica
         self.driver = driver or SimDriver(topo)
         sources = topo.admission_sources()
@@ -81,7 +83,6 @@ class EpisodeSource:
         self.finished = False
         self.requests: dict[str, _Req] = {}  # generation requests not yet completed
         self.episodes: dict[str, _Episode] = {}  # episodes being played
-        self.emitted: set[str] = set()  # episodes handed to the data path, not yet acked
         self.to_send: list[m.GenerateRequest] = []  # requests ZeroMQ has not taken yet
 
     # -- admission -------------------------------------------------------------------------------
@@ -136,17 +137,14 @@ class EpisodeSource:
             self._request(comp.episode_id, now)
             return None
         del self.episodes[comp.episode_id]
-        self.emitted.add(comp.episode_id)
-        return ep.record.to_trajectory(reward)
+        traj = ep.record.to_trajectory(reward)
+        traj.source = self.source
+        return traj
 
-    def on_ack(self, ack: m.TrajAck) -> None:
-        mine = [eid for eid in ack.consumed if eid in self.emitted]
-        self.admission.consume(len(mine))
-        for eid in (*ack.consumed, *ack.duplicate):
-            self.emitted.discard(eid)
-        stale = [eid for eid in ack.stale if eid in self.emitted]
-        self.emitted.difference_update(stale)
-        self.admission.give_back(len(stale))
+    def on_run_state(self, state: m.RunState) -> None:
+        # The trainer's own version: admission must not wait on the broadcaster being up.
+        self.version = max(self.version, state.version)
+        self.admission.follow(state, self.source)
 
     def on_claims(self, worker: str, inflight: list) -> None:
         for rid in inflight:
@@ -199,7 +197,8 @@ def run(topo, replica: int = 0, base=None) -> int:
     out = open_socket(shell.ctx, zmq.PUSH, downstream(topo, shell), bind=False, hwm=topo.queue_max_size)
     sender = ReliableSender(out, shell.encoder, shell.metrics, "out", capacity=topo.queue_max_size)
     inbox = Receiver(replies, shell.metrics, shell.log)
-    src = EpisodeSource(topo, replica, topo.replicas("agent"), make_driver(topo, base))
+    src = EpisodeSource(topo, replica, topo.replicas("agent"), make_driver(topo, base),
+                        source=f"{shell.node_id}:{shell.incarnation}")
     consumer_kind = "reward" if topo.replicas("reward") else "trainer"
     shell.announce_start(mode="async" if topo.is_async else "sync", staleness=topo.effective_staleness,
                          batch=src.admission.batch_share, framework=topo.agent.framework)
@@ -215,8 +214,7 @@ def run(topo, replica: int = 0, base=None) -> int:
                 if isinstance(msg, m.VersionAnnounce):
                     src.version = max(src.version, msg.version)
                 elif isinstance(msg, m.TrajAck):
-                    src.on_ack(msg)
-                    sender.settle(msg)
+                    sender.settle(msg)  # admission counts come from the run state, not from acks
                 elif isinstance(msg, m.Heartbeat) and msg.kind == "rollout":
                     src.on_claims(msg.node_id, msg.inflight)
                 elif isinstance(msg, m.Event) and msg.name == "peer_dead" and msg.fields.get("kind") == "rollout":
@@ -226,9 +224,7 @@ def run(topo, replica: int = 0, base=None) -> int:
                 elif isinstance(msg, m.Event) and msg.name == "peer_restarted" and msg.fields.get("kind") == consumer_kind:
                     shell.log.warning("resent", trajectories=sender.resend(), reason=f"{msg.node_id} restarted")
                 elif isinstance(msg, m.RunState):
-                    # The trainer's own version: admission must not wait on the broadcaster being up.
-                    src.version = max(src.version, msg.version)
-                    src.admission.observe(msg.version, msg.consumed)
+                    src.on_run_state(msg)
                     if msg.finished and not src.finished:
                         src.finished = True
                         shell.log.info("run_finished", version=msg.version, episodes=src.count)

@@ -27,7 +27,7 @@ import zmq
 from areal_bus import messages as m
 from areal_bus.admission import is_over_stale, staleness_of
 from areal_bus.channels import Receiver, open_socket
-from areal_bus.constants import POLL_MS, SEEN_IDS_MAX
+from areal_bus.constants import HEARTBEAT_INTERVAL_S, POLL_MS, SEEN_IDS_MAX
 from areal_bus.engines.sim import SimTrainEngine
 from areal_bus.node import NodeShell
 from areal_bus.topology import dump_resolved
@@ -185,10 +185,20 @@ def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
     idle_since = time.monotonic()
     window = {"t": time.monotonic(), "samples": 0, "tokens": 0}
     committed = -1
+    # Per episode source, [consumed, stale] in this incarnation: the admission totals of RunState.
+    totals: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    last_state = 0.0
+
+    def count(trajs, which: int) -> None:
+        for t in trajs:
+            totals[t.source][which] += 1
 
     def publish_state(finished=False):
+        nonlocal last_state
         shell.publish(m.TOPIC_RUN, m.RunState(version=version, max_steps=topo.max_steps, finished=finished,
-                                              consumed=int(shell.metrics.counters["samples"])))
+                                              consumed=int(shell.metrics.counters["samples"]),
+                                              incarnation=shell.incarnation, sources=dict(totals)))
+        last_state = time.monotonic()
 
     def drain_hub():
         nonlocal committed
@@ -257,6 +267,7 @@ def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
                 shell.version = version
                 export_weights(version)
                 consumed_ids.update((t.traj_id, None) for t in batch)
+                count(batch, 0)
                 shell.publish(m.TOPIC_TRAJ_ACK, m.TrajAck(trainer_version=version, consumed=[t.traj_id for t in batch],
                                                           stale=[], duplicate=[]))
                 tokens = sum(t.num_tokens for t in batch)
@@ -290,8 +301,10 @@ def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
                 if stale:
                     shell.metrics.inc("stale_dropped", len(stale))
                     consumed_ids.update((t.traj_id, None) for t in stale)
+                    count(stale, 1)
                     shell.publish(m.TOPIC_TRAJ_ACK, m.TrajAck(trainer_version=version, consumed=[],
                                                               stale=[t.traj_id for t in stale], duplicate=[]))
+                    publish_state()
                     shell.log.warning("stale_dropped", count=len(stale), version=version)
                 batch = queue.take_batch(version)
                 if batch is not None:
@@ -315,6 +328,8 @@ def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
                         return stats
 
                     job = (pool.submit(step), batch, time.monotonic())
+            if time.monotonic() - last_state >= HEARTBEAT_INTERVAL_S:
+                publish_state()  # a lost report heals; the bus caches the latest for late joiners
             shell.metrics.gauge("busy", 1.0 if job is not None else 0.0)
             poller.poll(POLL_MS if job is None else 5)
         if version >= topo.max_steps:

@@ -129,3 +129,76 @@ def test_a_busy_source_is_not_starved_by_an_idle_co_source():
         adm.observe(version, consumed)
     assert adm.capacity(40) > 0
     assert consumed >= 39 * 60  # full batches: not held to its share of the versions (32 each)
+
+
+def _state(version, consumed, sources, incarnation="t1"):
+    from areal_bus.messages import RunState
+
+    return RunState(version=version, max_steps=100, finished=False, consumed=consumed, incarnation=incarnation,
+                    sources=sources)
+
+
+def test_run_state_totals_return_slots_and_a_lost_or_repeated_report_changes_nothing():
+    adm = Admission(staleness=1, batch=4)
+    adm.admit(adm.capacity(0))  # 8 in flight
+    adm.follow(_state(1, 4, {"a:1": [4, 0], "other": [9, 9]}), "a:1")
+    assert (adm.consumed, adm.returned) == (4, 0)
+    # The next report is lost; the one after carries both updates' totals.
+    adm.follow(_state(3, 8, {"a:1": [7, 1]}), "a:1")
+    assert (adm.consumed, adm.returned, adm.admitted) == (7, 1, 7)
+    before = adm.capacity(3)
+    adm.follow(_state(3, 8, {"a:1": [7, 1]}), "a:1")  # repeated (heartbeat, or the bus's replay)
+    adm.follow(_state(3, 8, {"a:1": [5, 0]}), "a:1")  # an older report arriving late never goes back
+    assert (adm.consumed, adm.returned, adm.capacity(3)) == (7, 1, before)
+
+
+@pytest.mark.parametrize("entry", [None, [1], [1, 2, 3], ["1", 2], [-1, 0], [True, 0], {"c": 1}, 5])
+def test_a_malformed_totals_entry_is_ignored(entry):
+    adm = Admission(staleness=1, batch=4)
+    adm.admit(8)
+    adm.follow(_state(1, 4, {"a:1": entry}), "a:1")
+    assert (adm.consumed, adm.returned, adm.admitted) == (0, 0, 8)
+
+
+def test_a_restarted_trainer_counts_on_from_the_last_totals():
+    adm = Admission(staleness=1, batch=4)
+    adm.admit(12)
+    adm.follow(_state(2, 8, {"a:1": [8, 1]}, incarnation="t1"), "a:1")
+    # The trainer restarts (from a checkpoint) and counts from zero in its new incarnation.
+    adm.follow(_state(2, 8, {}, incarnation="t2"), "a:1")
+    assert (adm.consumed, adm.returned) == (8, 1)
+    adm.follow(_state(3, 11, {"a:1": [3, 0]}, incarnation="t2"), "a:1")
+    assert (adm.consumed, adm.returned) == (11, 1)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.floats(0.0, 0.6))
+def test_a_run_never_stalls_however_many_run_states_the_hub_loses(seed, loss):
+    """The CI failure this guards: acks lost on the hub left slots admitted forever, until fewer than
+    trigger_batch_size samples could be in flight and the run stopped. With totals, a later report
+    always restores them; sent totals are repeated every heartbeat, modelled by retrying each step."""
+    import random
+
+    rng = random.Random(seed)
+    staleness, trigger, glob = 2, 4, 8
+    adm = Admission(staleness, trigger, max_batch=glob)
+    totals = [0, 0]
+    in_flight = 0
+    version = 0
+    for _ in range(300):
+        started = adm.capacity(version)
+        adm.admit(started)
+        in_flight += started
+        ready = in_flight
+        if ready >= trigger:
+            taken = min(ready, glob)
+            stale = rng.randint(0, ready - taken)  # some of the rest dropped as over-stale
+            in_flight -= taken + stale
+            totals[0] += taken
+            totals[1] += stale
+            version += 1
+        if rng.random() >= loss:  # this report arrives (a lost one is followed by the next)
+            adm.follow(_state(version, totals[0], {"a": list(totals)}), "a")
+    assert version >= 300 * (1 - loss) / 3, "the run stalled"
+    adm.follow(_state(version, totals[0], {"a": list(totals)}), "a")
+    assert adm.admitted == in_flight + adm.consumed

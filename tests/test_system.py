@@ -175,6 +175,9 @@ class System:
 
     def cleanup(self) -> None:
         self.stop()
+        if os.environ.get("KEEP_SYSTEM_DIR"):
+            print(f"kept {self.dir}")
+            return
         shutil.rmtree(self.dir, ignore_errors=True)
 
     # -- logs -----------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ def run(topo, replica: int = 0, base=None) -> int:
     sender = ReliableSender(open_socket(shell.ctx, zmq.PUSH, targets, bind=False, hwm=topo.queue_max_size),
                             shell.encoder, shell.metrics, "out", capacity=topo.queue_max_size)
     admission = _admission(topo, replica)
-    emitted: set[str] = set()
+    source = f"{shell.node_id}:{shell.incarnation}"  # names our sessions in the trainer's totals
 
     def admit() -> tuple[bool, float]:
         if admission.capacity(shell.version) > 0:
@@ -78,8 +78,8 @@ def run(topo, replica: int = 0, base=None) -> int:
     def emit(traj: m.Trajectory) -> None:
         if traj.traj_id != traj.episode_id:  # a session's extra branch (n > 1, rewritten history): one more sample
             admission.admit(1)
+        traj.source = source
         sender.offer(traj.traj_id, traj, (traj.start_version,))
-        emitted.add(traj.traj_id)
         shell.metrics.inc("samples")
         shell.metrics.inc("tokens", int(traj.loss_mask.sum()))
 
@@ -87,12 +87,9 @@ def run(topo, replica: int = 0, base=None) -> int:
         for _, msg in shell.drain_hub():
             if isinstance(msg, m.TrajAck):
                 sender.settle(msg)
-                admission.consume(sum(1 for t in msg.consumed if t in emitted))
-                admission.give_back(sum(1 for t in msg.stale if t in emitted))
-                emitted.difference_update(msg.consumed, msg.stale, msg.duplicate)
             elif isinstance(msg, m.RunState):
                 shell.version = max(shell.version, msg.version)
-                admission.observe(msg.version, msg.consumed)
+                admission.follow(msg, source)  # totals, not acks: a lost hub message leaks no slot
             elif isinstance(msg, m.Event) and msg.name == "peer_restarted" and msg.fields.get("kind") == consumer_kind:
                 shell.log.warning("resent", trajectories=sender.resend(), reason=f"{msg.node_id} restarted")
         backend.set_live({p.node_id for p in shell.peers.alive("rollout")})
