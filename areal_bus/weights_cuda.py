@@ -255,3 +255,38 @@ class CudaWeightReader:
     def close(self) -> None:
         self._views.clear()
         self.buffers.clear()
+
+
+# -- how the nodes meet: the handles travel once, as a file beside the run's ipc sockets ----------
+
+def handles_path(ipc_dir, name: str):
+    """Where the trainer leaves its writer's handles for the rollout workers of the same host (CUDA IPC
+    is same-host only, like the ipc sockets in that folder)."""
+    from pathlib import Path
+
+    return Path(ipc_dir) / f"{name}.cuda-handles"
+
+
+def save_handles(path, handles: Mapping) -> None:
+    """msgpack, written to a temp name and renamed, so a reader never sees half a file."""
+    import os
+
+    import msgpack
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(msgpack.packb(dict(handles), use_bin_type=True))
+    os.replace(tmp, path)
+
+
+def load_handles(path) -> dict:
+    import msgpack
+
+    try:
+        with open(path, "rb") as f:
+            doc = msgpack.unpackb(f.read(), raw=False)
+    except (OSError, ValueError, msgpack.ExtraData) as exc:
+        raise WeightShmError(f"cannot read CUDA weight handles at {path}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise WeightShmError(f"{path} holds no CUDA weight handles")
+    return doc
