@@ -445,14 +445,19 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
 
 def save_pretrained(model: CausalLM, path: str | Path) -> None:
     """Write config.json + model.safetensors that transformers' AutoModelForCausalLM loads."""
+    save_state_dict(model.cfg, model.state_dict(), path)
+
+
+def save_state_dict(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], path: str | Path) -> None:
+    """``save_pretrained`` from a full state dict rather than a model: what a sharded trainer gathers."""
     from safetensors.torch import save_file
 
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
-    dtype = next(model.parameters()).dtype
-    (p / "config.json").write_text(json.dumps(model.cfg.to_hf(dtype), indent=2))
-    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if model.cfg.tie_word_embeddings:
+    dtype = next(iter(state_dict.values())).dtype
+    (p / "config.json").write_text(json.dumps(cfg.to_hf(dtype), indent=2))
+    sd = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)  # safetensors refuses shared storage; HF re-ties on load
     save_file(sd, str(p / "model.safetensors"), metadata={"format": "pt"})
 
@@ -486,5 +491,5 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) ->
 __all__ = [
     "QWEN2_0_5B", "TINY_QWEN2", "TINY_LLAMA", "ModelConfig", "CausalLM", "KVCache", "as_dtype",
     "scaled_logits", "logprobs_of", "token_logprobs", "load_safetensors", "check_state_dict",
-    "load_pretrained", "save_pretrained", "make_random_model", "num_params", "kv_bytes_per_token",
+    "load_pretrained", "save_pretrained", "save_state_dict", "make_random_model", "num_params", "kv_bytes_per_token",
 ]

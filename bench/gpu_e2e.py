@@ -57,8 +57,8 @@ def build_model(out: Path, tiny: bool, dtype: str) -> int:
 def topology(model: Path, mode: str, args) -> dict:
     topo = yaml.safe_load((ROOT / "topology" / "default.yaml").read_text())
     topo.update(
-        name=f"e2e-{mode}", rollout_workers=1, max_steps=args.steps, staleness_threshold=2,
-        queue_max_size=4 * args.batch, trigger_batch_size=args.batch // 2, global_batch_size=args.batch,
+        name=f"e2e-{mode}", rollout_workers=1, max_steps=args.steps, staleness_threshold=args.staleness,
+        queue_max_size=4 * args.batch, trigger_batch_size=args.trigger or args.batch // 2, global_batch_size=args.batch,
         mini_batch_size=args.batch // 2, logging={"log_dir": "logs", "log_interval": 5, "save_interval": 0},
         model={"path": str(model), "dtype": args.dtype, "device": args.device, "threads": 1 if args.device == "cpu" else 4},
         rollout_engine={"kind": "torch", "max_batch": args.rollout_batch, "max_len": 256, "temperature": 1.0},
@@ -89,6 +89,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12, help="updates per mode")
     ap.add_argument("--skip", type=int, default=2, help="first updates left out of samples/s")
     ap.add_argument("--batch", type=int, default=128, help="global_batch_size (trigger = half)")
+    ap.add_argument("--trigger", type=int, default=0, help="trigger_batch_size (default: half the batch)")
+    ap.add_argument("--staleness", type=int, default=2)
     ap.add_argument("--rollout-batch", type=int, default=256, help="the rollout engine's max_batch")
     ap.add_argument("--agents", type=int, default=2)
     ap.add_argument("--keep-logs", type=Path, default=None)
@@ -103,7 +105,8 @@ def main() -> int:
 
         hw = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {hw}; policy {n / 1e6:.0f}M params ({args.dtype}), "
-          f"global batch {args.batch}, trigger {args.batch // 2}, {args.steps} updates per mode, first {args.skip} "
+          f"global batch {args.batch}, trigger {args.trigger or args.batch // 2}, staleness {args.staleness}, "
+          f"{args.agents} agents, {args.steps} updates per mode, first {args.skip} "
           f"left out", flush=True)
     out = {}
     for mode in ("async", "sync"):

@@ -28,7 +28,10 @@ def run_system(topo: dict, name: str, keep: Path | None = None, timeout: float =
         # The nodes find `areal-bus` next to this interpreter (the conf puts %(here)s/.venv/bin first).
         env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
         t0 = time.monotonic()
-        proc = subprocess.run([str(Path(sys.executable).parent / "supervisord"), "-c", str(conf)], env=env,
+        supervisord = Path(sys.executable).parent / "supervisord"
+        if not supervisord.exists():  # installed elsewhere (e.g. pip --target on the GPU host): the PATH's
+            supervisord = Path(shutil.which("supervisord") or "supervisord")
+        proc = subprocess.run([str(supervisord), "-c", str(conf)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=timeout)
         wall = time.monotonic() - t0
         if proc.returncode != 0:

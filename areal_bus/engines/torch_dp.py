@@ -45,10 +45,11 @@ class DataParallel:
         self.children: list[subprocess.Popen] = []
 
     @classmethod
-    def launch(cls, world: int, topology_path: str, model_path: str, backend: str = "gloo") -> DataParallel:
-        """Rank 0: start ranks 1..world-1 and join them."""
+    def launch(cls, world: int, topology_path: str, model_path: str, backend: str = "gloo",
+               module: str = "areal_bus.engines.torch_dp") -> DataParallel:
+        """Rank 0: start ranks 1..world-1 (``python -m module``) and join them."""
         init = f"tcp://127.0.0.1:{_free_port()}"
-        children = [subprocess.Popen([sys.executable, "-m", "areal_bus.engines.torch_dp", "--topology", topology_path,
+        children = [subprocess.Popen([sys.executable, "-m", module, "--topology", topology_path,
                                       "--model", str(model_path), "--rank", str(r), "--world", str(world),
                                       "--init", init, "--backend", backend])
                     for r in range(1, world)]
@@ -65,17 +66,21 @@ class DataParallel:
 
     def receive(self) -> dict[str, torch.Tensor] | None:
         """Ranks > 0: the next batch, or None when rank 0 says stop."""
+        return self.receive_command()[1]
+
+    def receive_command(self) -> tuple[int, dict[str, torch.Tensor] | None]:
+        """Ranks > 0: rank 0's next command, with its batch when it is a train command."""
         head = torch.zeros(3, dtype=torch.long)
         dist.broadcast(head, src=0)
         cmd, B, T = (int(x) for x in head)
-        if cmd == _CMD_STOP:
-            return None
+        if cmd != _CMD_TRAIN:
+            return cmd, None
         out = {}
         for name, dtype in _TENSORS:
             t = torch.zeros(B, T, dtype=dtype)
             dist.broadcast(t, src=0)
             out[name] = t
-        return out
+        return cmd, out
 
     def all_reduce_grads(self, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
         """Sum gradients (each rank's loss is already scaled by its token share) and the loss."""

@@ -14,6 +14,12 @@ One ``step()``:
      policy version in force, and returns the sequences that finished.
 So every running sequence gains exactly one token per step, prefill or decode alike.
 
+Two decode paths, the same results: on CUDA the decode step runs ``cuda_decode.StaticDecoder`` (a
+fixed-shape step over the static cache, rows = slots, replayed as CUDA graphs); elsewhere it runs
+through the model with a per-step gather of each slot's cache (``static_decode=True`` selects the
+static path on CPU too, without graphs: that is how the CPU tests check it). Sampling is
+``cuda_decode.sample`` for both: batched on the device, one transfer to the host per step.
+
 The recorded log-probability is what ``modeling.logprobs_of`` computes: log-softmax of float32 logits divided by
 the request's temperature (temperature 0 = greedy scales by 1), taken BEFORE top-p truncation; the
 trainer recomputes the same quantity with ``modeling.token_logprobs``.
@@ -36,6 +42,7 @@ Quick check::
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,9 +51,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from areal_bus.engines.cuda_decode import StaticDecoder, sample, top_p_filter
 from areal_bus.messages import Completion, GenerateRequest
-from areal_bus.modeling import (CausalLM, KVCache, as_dtype, check_state_dict, load_pretrained,
-                                load_safetensors, scaled_logits)
+from areal_bus.modeling import CausalLM, KVCache, as_dtype, check_state_dict, load_pretrained, load_safetensors
+
+__all__ = ["TorchRolloutEngine", "make_output", "top_p_filter"]
 
 
 @dataclass(slots=True)
@@ -66,15 +75,8 @@ class _Seq:
         return len(self.tokens) - self.prompt_len
 
 
-def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Zero every token outside the smallest set whose mass reaches ``top_p`` (per row); the most
-    likely token always stays. Not renormalised: ``torch.multinomial`` does not need it."""
-    sorted_p, idx = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_p.cumsum(-1) - sorted_p
-    # Rows with top_p >= 1 keep everything, even if rounding lets the cumulative sum pass 1.
-    limit = torch.where(top_p < 1, top_p, torch.full_like(top_p, float("inf")))
-    sorted_p = sorted_p.masked_fill(mass_before > limit[:, None], 0.0)
-    return torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+PREFILL_SHARE = 4
+"""Newcomers at least a quarter of the decoding batch are prefilled at once (see prefill_every)."""
 
 
 class TorchRolloutEngine:
@@ -85,13 +87,27 @@ class TorchRolloutEngine:
     path ``location``, a file or a directory). ``max_prefill_tokens`` bounds one prefill forward's
     padded size (rows x longest prompt); a longer prompt is prefilled alone. A model object passed in
     is used, moved and updated in place, not copied.
+
+    ``static_decode`` (None: on CUDA only) decodes through ``cuda_decode.StaticDecoder``;
+    ``cuda_graphs`` (None: whenever the static path runs on CUDA) replays its steps as CUDA graphs;
+    ``attention`` ("sdpa" or "matmul") is its attention kernel; ``decode_buckets`` (batch sizes,
+    lengths) its padded shapes (None: its defaults).
+
+    ``prefill_every`` (None: 8 on the static path, 1 otherwise): while sequences are decoding, a few
+    newcomers wait up to this many decode steps to be prefilled together, unless they are at least
+    ``1/PREFILL_SHARE`` of the running batch. A prefill runs eagerly (not as a graph) and costs several
+    graph-replayed decode steps, so prefilling every multi-turn agent's next turn the step it arrives
+    would make prefills most of the GPU's work; batching them trades a few decode steps of a new turn's
+    latency for several times the throughput. 1 prefills every arrival at once.
     """
 
     def __init__(self, model: CausalLM | str | Path, max_batch: int = 16, max_len: int = 2048,
                  device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
                  seed: int = 0, eos_token_ids: list[int] | None = None, worker: str = "rollout",
                  weight_loader: Callable[[str], dict[str, torch.Tensor]] | None = None,
-                 version: int = 0, recompute_kv_on_swap: bool = False, max_prefill_tokens: int = 8192):
+                 version: int = 0, recompute_kv_on_swap: bool = False, max_prefill_tokens: int = 8192,
+                 static_decode: bool | None = None, cuda_graphs: bool | None = None, attention: str = "sdpa",
+                 decode_buckets: tuple[list[int], list[int]] | None = None, prefill_every: int | None = None):
         self.device = torch.device(device)
         dtype = as_dtype(dtype)
         if isinstance(model, (str, Path)):
@@ -109,9 +125,21 @@ class TorchRolloutEngine:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.weight_loader = weight_loader or (lambda location: load_safetensors(location, self.device))
         self.cache = KVCache(self.cfg, max_batch, max_len, self.device, dtype)
+        if static_decode is None:
+            static_decode = self.device.type == "cuda"
+        if cuda_graphs is None:
+            cuda_graphs = static_decode and self.device.type == "cuda"
+        batch_buckets, len_buckets = decode_buckets or (None, None)
+        self.fast = (StaticDecoder(self.model, self.cache, graphs=cuda_graphs, attention=attention,
+                                   batch_buckets=batch_buckets, len_buckets=len_buckets)
+                     if static_decode else None)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.steps = 0
-        self._free = list(range(max_batch - 1, -1, -1))  # pop() hands out slot 0 first
+        self.prefill_every = max(1, prefill_every if prefill_every is not None else 8 if static_decode else 1)
+        self._prefill_waited = 0  # decode steps the oldest unprefilled newcomer has waited
+        # A heap: the lowest free slot goes first, so running slots stay dense (the static decode
+        # step pads the batch to the highest running slot).
+        self._free = list(range(max_batch))
         self._pending: list[_Seq] = []
         self._running: dict[str, _Seq] = {}
 
@@ -143,7 +171,7 @@ class TorchRolloutEngine:
     def step(self) -> list[Completion]:
         while self._pending:
             seq = self._pending.pop(0)
-            seq.slot = self._free.pop()
+            seq.slot = heapq.heappop(self._free)
             self._running[seq.req.request_id] = seq
         if not self._running:
             return []
@@ -152,6 +180,12 @@ class TorchRolloutEngine:
         # swap) or has exactly its last sampled token to feed. A one-token prompt is fed as a decode.
         fresh = sorted((s for s in seqs if s.cached == 0 and len(s.tokens) > 1), key=lambda s: len(s.tokens))
         decode = [s for s in seqs if len(s.tokens) - s.cached == 1]
+        if fresh and decode and self._prefill_waited + 1 < self.prefill_every \
+                and len(fresh) * PREFILL_SHARE < len(decode):
+            self._prefill_waited += 1  # a few newcomers: let more gather while the others decode
+            fresh = []
+        elif fresh:
+            self._prefill_waited = 0
         fed, logits = [], []
         for group in self._prefill_groups(fresh):
             logits.append(self._prefill_fresh(group))
@@ -159,10 +193,15 @@ class TorchRolloutEngine:
         if decode:
             logits.append(self._decode(decode))
             fed += decode
-        tokens, logprobs = self._sample(torch.cat(logits), fed)
+        tokens, logprobs = sample(torch.cat(logits) if len(logits) > 1 else logits[0],
+                                  [float(s.req.temperature) for s in fed], [float(s.req.top_p) for s in fed],
+                                  self.generator)
+        # One transfer to the host (token ids are exact in float64).
+        tokens, logprobs = torch.stack([tokens.double(), logprobs.double()]).tolist()
         self.steps += 1
         finished = []
         for s, tok, lp in zip(fed, tokens, logprobs):
+            tok = int(tok)
             s.tokens.append(tok)
             s.logprobs.append(lp)
             s.versions.append(self.version)
@@ -179,6 +218,8 @@ class TorchRolloutEngine:
         with torch.no_grad():
             for name, param in self.model.named_parameters():
                 param.copy_(state[name])
+        if self.fast is not None:
+            self.fast.refresh()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.version = version
@@ -218,6 +259,11 @@ class TorchRolloutEngine:
 
     def _decode(self, seqs: list[_Seq]) -> torch.Tensor:
         """One batched forward of each sequence's last token; logits [B, V]."""
+        if self.fast is not None:
+            logits = self.fast.decode([s.slot for s in seqs], [s.tokens[-1] for s in seqs], [s.cached for s in seqs])
+            for s in seqs:
+                s.cached += 1
+            return logits
         ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)
         pos = torch.tensor([[s.cached] for s in seqs], device=self.device)
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
@@ -226,24 +272,9 @@ class TorchRolloutEngine:
             s.cached += 1
         return self.model.lm_head(h[:, -1])
 
-    def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[list[int], list[float]]:
-        temps = torch.tensor([float(s.req.temperature) for s in seqs], device=self.device)
-        logp = torch.log_softmax(scaled_logits(logits, temps), dim=-1)  # float32 [B, V]
-        tokens = logp.argmax(-1)
-        sampled = temps > 0
-        if any(s.req.temperature > 0 for s in seqs):
-            probs = logp.exp()
-            if any(s.req.top_p < 1 for s in seqs):
-                top_p = torch.tensor([float(s.req.top_p) for s in seqs], device=self.device)
-                probs = top_p_filter(probs, top_p)
-            draw = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-            tokens = torch.where(sampled, draw, tokens)
-        chosen = logp.gather(-1, tokens[:, None]).squeeze(1)
-        return tokens.tolist(), chosen.tolist()
-
     def _finish(self, s: _Seq, reason: str) -> Completion:
         del self._running[s.req.request_id]
-        self._free.append(s.slot)
+        heapq.heappush(self._free, s.slot)
         return make_output(s, reason, self.worker)
 
 

@@ -53,15 +53,16 @@ def pad_batch(batch: list[Trajectory], advantages: torch.Tensor) -> dict[str, to
 
 
 class TorchTrainEngine:
-    def __init__(self, topo, model_path: str | Path, *, publish=None, dp=None):
+    def __init__(self, topo, model_path: str | Path, *, publish=None, dp=None, device=None):
         cfg = topo.trainer_engine
         self.cfg = cfg
         self.topo = topo
         self.model_path = Path(model_path)
-        self.device = torch.device(topo.model.device)
+        self.device = torch.device(device or topo.model.device)
         self.dtype = as_dtype(topo.model.dtype)
         torch.manual_seed(topo.model.seed)
-        self.model = load_pretrained(self.model_path, self.device, self.dtype).train().requires_grad_(True)
+        self.model = self._prepare_model(
+            load_pretrained(self.model_path, self.device, self.dtype).train().requires_grad_(True))
         self.ref = None
         if cfg.kl_coef > 0:
             self.ref = load_pretrained(self.model_path, self.device, self.dtype).eval().requires_grad_(False)
@@ -71,6 +72,23 @@ class TorchTrainEngine:
         self.mini_batch = topo.mini_batch_size
         self.publish = publish  # callable(state_dict, version) -> (location, nbytes)
         self.dp = dp  # a torch_dp.DataParallel when train_workers > 1
+
+    # -- what a parallel layout (torch_parallel.ParallelTrainEngine) replaces ------------------
+    def _prepare_model(self, model):
+        """The model to train; a parallel engine shards it here, before the optimizer takes its parameters."""
+        return model
+
+    def _data_shard(self) -> tuple[int, int]:
+        """(index, count): this rank trains rows index::count of every mini-batch."""
+        return (self.dp.rank, self.dp.world) if self.dp is not None else (0, 1)
+
+    def _sync_grads(self, loss: torch.Tensor) -> torch.Tensor:
+        """Make this rank's gradients the mini-batch's; returns the mini-batch's loss (each rank's
+        ``loss`` is already weighted by its token share, so the sum over ranks)."""
+        return self.dp.all_reduce_grads(self.model, loss) if self.dp is not None else loss
+
+    def _clip_grads(self) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
 
     # -- one update ----------------------------------------------------------------------------
     def train(self, batch: list[Trajectory], version: int) -> dict:
@@ -89,18 +107,24 @@ class TorchTrainEngine:
         rank::world of every mini-batch and scales its loss by its share of the mini-batch's tokens, so
         the all-reduced gradient is exactly the single-process gradient of the mini-batch."""
         t0 = time.perf_counter()
-        rank, world = (self.dp.rank, self.dp.world) if self.dp is not None else (0, 1)
+        rank, world = self._data_shard()
         data = {k: v.to(self.device) for k, v in data.items()}
         B = data["ids"].shape[0]
-        mine = torch.arange(B)[rank::world]
+        # This rank's rows: its share of every mini-batch (not rows rank::world of the whole batch,
+        # which differ as soon as world does not divide the mini-batch size).
+        mine = torch.cat([torch.arange(s, min(B, s + self.mini_batch))[rank::world]
+                          for s in range(0, B, self.mini_batch)])
+        # A rank without rows of its own still runs every forward and backward, on a stand-in row
+        # weighted 0: sharded weights (FSDP, tensor parallel) are gathered inside them by all ranks.
+        run = mine if len(mine) else torch.arange(1)
         prox = torch.zeros_like(data["behav"])
         ref = torch.zeros_like(data["behav"]) if self.ref is not None else None
         with torch.no_grad():  # proximal policy: the weights before this update
             self.model.eval()
-            if len(mine):
-                prox[mine] = token_logprobs(self.model, data["ids"][mine], data["attn"][mine], self.temperature)
-                if ref is not None:
-                    ref[mine] = token_logprobs(self.ref, data["ids"][mine], data["attn"][mine], self.temperature)
+            lp = token_logprobs(self.model, data["ids"][run], data["attn"][run], self.temperature)
+            prox[mine] = lp[:len(mine)]
+            if ref is not None and len(mine):
+                ref[mine] = token_logprobs(self.ref, data["ids"][mine], data["attn"][mine], self.temperature)
         self.model.train()
         acc: dict[str, float] = {}
         steps = 0
@@ -109,23 +133,21 @@ class TorchTrainEngine:
                 mb = torch.arange(start, min(B, start + self.mini_batch))
                 rows = mb[rank::world]
                 share = float(data["mask"][rows].sum() / data["mask"][mb].sum().clamp(min=1))
+                if not len(rows):
+                    rows = mb[:1]  # the stand-in row (share 0, see above)
                 self.opt.zero_grad(set_to_none=False)
-                stats: dict[str, float] = {}
-                loss = torch.zeros(())
-                if len(rows):
-                    logp = token_logprobs(self.model, data["ids"][rows], data["attn"][rows], self.temperature)
-                    loss, stats = decoupled_ppo_loss(
-                        logp, prox[rows], data["behav"][rows], data["adv"][rows], data["mask"][rows],
-                        eps_clip=self.cfg.eps_clip, eps_clip_high=self.cfg.eps_clip_high,
-                        behav_imp_weight_cap=self.cfg.behav_imp_weight_cap)
-                    if ref is not None:
-                        kl = masked_mean(kl_penalty(logp, ref[rows], "k3"), data["mask"][rows])
-                        loss = loss + self.cfg.kl_coef * kl
-                        stats["kl"] = float(kl)
-                    (loss * share).backward()
-                if self.dp is not None:
-                    loss = self.dp.all_reduce_grads(self.model, loss.detach() * share)
-                stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+                logp = token_logprobs(self.model, data["ids"][rows], data["attn"][rows], self.temperature)
+                loss, stats = decoupled_ppo_loss(
+                    logp, prox[rows], data["behav"][rows], data["adv"][rows], data["mask"][rows],
+                    eps_clip=self.cfg.eps_clip, eps_clip_high=self.cfg.eps_clip_high,
+                    behav_imp_weight_cap=self.cfg.behav_imp_weight_cap)
+                if ref is not None:
+                    kl = masked_mean(kl_penalty(logp, ref[rows], "k3"), data["mask"][rows])
+                    loss = loss + self.cfg.kl_coef * kl
+                    stats["kl"] = float(kl)
+                (loss * share).backward()
+                loss = self._sync_grads(loss.detach() * share)
+                stats["grad_norm"] = self._clip_grads()
                 self.opt.step()
                 stats["loss"] = float(loss.detach())
                 for k, v in stats.items():
@@ -152,18 +174,28 @@ class TorchTrainEngine:
         folder = Path(folder)
         tmp = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        save_pretrained(self.model, tmp)
+        self._save_weights(tmp)
         for name in TOKENIZER_FILES:
             if (self.model_path / name).exists():
                 shutil.copy(self.model_path / name, tmp / name)
-        torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
+        torch.save(self.optimizer_state(), tmp / "optimizer.pt")
         (tmp / "trainer_state.json").write_text(json.dumps({"version": version, "consumed": consumed}))
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
         return folder
 
+    def _save_weights(self, folder: Path) -> None:
+        save_pretrained(self.model, folder)
+
+    def optimizer_state(self) -> dict:
+        """AdamW's state as ``optimizer.pt`` holds it (keyed by parameter index: layout-independent)."""
+        return self.opt.state_dict()
+
     def load_optimizer(self, folder: Path) -> None:
         state = torch.load(Path(folder) / "optimizer.pt", map_location=self.device, weights_only=True)
+        self._load_optimizer_state(state)
+
+    def _load_optimizer_state(self, state: dict) -> None:
         self.opt.load_state_dict(state)
 
 

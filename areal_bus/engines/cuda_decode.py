@@ -1,0 +1,257 @@
+"""The torch engine's fast decode: a fixed-shape step over the static KV cache, replayed as CUDA graphs.
+
+Eager decoding of a small model is bound by the CPU, not the GPU: a 24-layer step is ~900 kernel
+launches, and a cache read through ``index_select`` copies every running slot's keys each layer. Here
+one decode step is a function of fixed shapes that reads the cache in place, so it can be captured
+once in a CUDA graph and replayed with a single launch:
+
+- Rows are slots. Decode row ``r`` is cache slot ``r``, so a layer's attention reads
+  ``cache.k[layer, :B, :, :L]``, a view, never a gather. ``B`` is the smallest batch bucket that holds the
+  highest running slot (the engine hands out the lowest free slot, which keeps running slots dense);
+  ``L`` the smallest length bucket that holds the furthest running position. One (B, L) pair is one
+  graph, captured the first time it is needed and replayed after. All graphs share one memory pool
+  and the same static inputs (token ids and positions, ``io``) and output (``logits``).
+- Rows that are not decoding this step (free slots, bucket padding, sequences being prefilled) still
+  run: their position is ``max_len - 1``, where they write a key and a value that nothing ever reads.
+  A sequence ends once it holds ``max_len`` tokens, so the last position it feeds is ``max_len - 2``.
+- Keys past a row's own position are masked (an additive mask on SDPA); the query heads that share a
+  kv head are grouped as that head's queries (``[B, KV, H / KV, D]``), so GQA needs no copy of keys.
+- The q/k/v and the gate/up projections run as one matmul each over concatenated weights. Those are
+  copies of the model's parameters: ``refresh()`` (the engine calls it after every weight swap)
+  copies them again, in place, because a captured graph holds their addresses.
+
+Prefill stays outside the graphs (the engine's batched, right-padded prefill through the model).
+Sampling is ``sample``: batched on the device, one transfer to the host per step.
+
+On CPU the same step runs eagerly (``graphs=False``): that is what the CPU tests check against a
+full forward pass. Quick check (CPU)::
+
+    python -c "
+    import numpy as np; from areal_bus.modeling import make_random_model, TINY_QWEN2
+    from areal_bus.engines.torch_engine import TorchRolloutEngine; from areal_bus.messages import GenerateRequest
+    e = TorchRolloutEngine(make_random_model(TINY_QWEN2, 0, std=0.2), max_batch=2, max_len=64, eos_token_ids=[],
+                           static_decode=True)
+    e.add_request(GenerateRequest('r0', 'e0', 0, 0, 8, 0.0, np.array([1, 5, 7], np.int32)))
+    while not (done := e.step()): pass
+    print(done[0].output_ids, done[0].logprobs)"
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from areal_bus.modeling import CausalLM, KVCache, apply_rope, rope_cos_sin, scaled_logits
+
+# The smallest length bucket: below it attention costs nothing next to the weights, and fewer
+# buckets mean fewer graphs to capture.
+MIN_LEN_BUCKET = 256
+
+
+def buckets(limit: int, first: int, per_doubling: int) -> list[int]:
+    """Sizes from ``first`` up to ``limit`` (always included), ``per_doubling`` of them between two
+    powers of two: padding to the next one wastes at most 1 / per_doubling of the work."""
+    out, b = [], first
+    while b < limit:
+        out.append(b)
+        b += max(1, (1 << (b.bit_length() - 1)) // per_doubling)
+    return out + [limit]
+
+
+def _attend_sdpa(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _attend_matmul(q, k, v, mask):
+    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5 + mask
+    return scores.softmax(-1).to(v.dtype) @ v
+
+
+ATTENTION = {"sdpa": _attend_sdpa, "matmul": _attend_matmul}
+
+
+class StaticDecoder:
+    """Decode steps over ``cache`` for ``model``: ``decode(slots, ids, positions)`` -> logits.
+
+    ``graphs``: capture each (batch bucket, length bucket) step in a CUDA graph (CUDA only).
+    ``attention``: "sdpa" (fused, memory-efficient kernel on CUDA) or "matmul" (two batched matmuls).
+    ``batch_buckets`` / ``len_buckets``: the padded shapes (default: 4 per doubling of the batch,
+    2 per doubling of the length from ``MIN_LEN_BUCKET``).
+    """
+
+    def __init__(self, model: CausalLM, cache: KVCache, graphs: bool = False, attention: str = "sdpa",
+                 batch_buckets: list[int] | None = None, len_buckets: list[int] | None = None):
+        cfg = model.cfg
+        self.model, self.cache, self.cfg = model, cache, cfg
+        self.device, self.dtype = cache.k.device, cache.k.dtype
+        self.max_batch, self.max_len = cache.k.shape[1], cache.max_len
+        if graphs and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.graphs = graphs
+        self.attend = ATTENTION[attention]
+        self.batch_buckets = sorted(batch_buckets or buckets(self.max_batch, 1, 4))
+        self.len_buckets = sorted(len_buckets or buckets(self.max_len, min(MIN_LEN_BUCKET, self.max_len), 2))
+        if self.batch_buckets[-1] != self.max_batch or self.len_buckets[-1] != self.max_len:
+            raise ValueError("the largest buckets must be max_batch and max_len")
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.splits = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+        dev = self.device
+        # Static inputs (per row: token id, position) and output, shared by every graph. Rows are
+        # filled in a host buffer (pinned on CUDA, so the copy is one asynchronous memcpy).
+        self.io = torch.zeros(self.max_batch, 2, dtype=torch.long, device=dev)
+        self._stage_t = torch.zeros(self.max_batch, 2, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._stage = self._stage_t.numpy()
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
+        self.logits = torch.empty(self.max_batch, cfg.vocab_size, dtype=self.dtype, device=dev)
+        self.key_pos = torch.arange(self.max_len, device=dev)
+        # The same values rope_cos_sin gives the model's own forward (computed in float32, then cast).
+        cos, sin = rope_cos_sin(self.key_pos[None], self.head_dim, cfg.rope_theta, self.dtype)
+        self.cos, self.sin = cos[0, 0], sin[0, 0]  # [max_len, head_dim]
+        with torch.no_grad():
+            self.w_qkv, self.b_qkv, self.w_gate_up = [], [], []
+            for layer in model.model.layers:
+                a, m = layer.self_attn, layer.mlp
+                self.w_qkv.append(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+                self.b_qkv.append(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+                                  if a.q_proj.bias is not None else None)
+                self.w_gate_up.append(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+
+    @property
+    def captured(self) -> list[tuple[int, int]]:
+        """The (batch, length) buckets captured so far."""
+        return sorted(self._graphs)
+
+    def refresh(self) -> None:
+        """Copy the model's q/k/v and gate/up weights into the fused ones (after a weight swap)."""
+        with torch.inference_mode():
+            for i, layer in enumerate(self.model.model.layers):
+                a, m = layer.self_attn, layer.mlp
+                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], out=self.w_qkv[i])
+                if self.b_qkv[i] is not None:
+                    torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], out=self.b_qkv[i])
+                torch.cat([m.gate_proj.weight, m.up_proj.weight], out=self.w_gate_up[i])
+
+    def decode(self, slots: list[int], ids: list[int], positions: list[int]) -> torch.Tensor:
+        """Feed token ``ids[i]`` at ``positions[i]`` of cache slot ``slots[i]``; logits [len(slots), V]
+        in the order given (a view of the static output when the slots are 0..n-1 in order)."""
+        b = self.batch_buckets[bisect.bisect_left(self.batch_buckets, max(slots) + 1)]
+        length = self.len_buckets[bisect.bisect_left(self.len_buckets, max(positions) + 1)]
+        # Streams, events and captures below act on the current device: make it this cache's.
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            self._step(b, length, slots, ids, positions)
+        if slots == list(range(len(slots))):
+            return self.logits[:len(slots)]
+        return self.logits[torch.as_tensor(slots, device=self.device)]
+
+    def _step(self, b: int, length: int, slots: list[int], ids: list[int], positions: list[int]) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy has left the host buffer
+        stage = self._stage[:b]
+        stage[:, 0] = 0
+        stage[:, 1] = self.max_len - 1  # rows not decoding write where nothing reads
+        stage[slots, 0] = ids
+        stage[slots, 1] = positions
+        self.io[:b].copy_(self._stage_t[:b], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        if not self.graphs:
+            self._forward(b, length)
+        elif (b, length) in self._graphs:
+            self._graphs[b, length].replay()
+        else:
+            self._graphs[b, length] = self._capture(b, length)
+            self._graphs[b, length].replay()
+
+    def _capture(self, b: int, length: int) -> torch.cuda.CUDAGraph:
+        # Warm up on a side stream first (cuBLAS workspaces, kernel selection), as torch's docs ask.
+        # The warm-up runs write the same keys/values the replay will: same tokens, same positions.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(b, length)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA call (none expected) must not invalidate the capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._forward(b, length)
+        if self._pool is None:
+            self._pool = graph.pool()
+        return graph
+
+    def _forward(self, b: int, length: int) -> None:
+        """One decode step for rows 0..b-1 reading keys 0..length-1: logits into ``self.logits[:b]``."""
+        model, cache = self.model, self.cache
+        h_, kv, d = self.heads, self.kv_heads, self.head_dim
+        ids, pos = self.io[:b, 0], self.io[:b, 1]
+        x = model.model.embed_tokens(ids)  # [b, hidden]
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [b, 1, d]
+        # Additive mask [b, 1, 1, length]: broadcast over kv heads and the grouped query heads.
+        mask = torch.zeros(b, 1, 1, length, dtype=self.dtype, device=self.device).masked_fill_(
+            (self.key_pos[:length][None] > pos[:, None])[:, None, None], float("-inf"))
+        write_at = pos.view(b, 1, 1, 1).expand(b, kv, 1, d)
+        with self._sdpa_backends():
+            for i, layer in enumerate(model.model.layers):
+                attn = layer.self_attn
+                qkv = F.linear(layer.input_layernorm(x), self.w_qkv[i], self.b_qkv[i])
+                q, k, v = qkv.split(self.splits, dim=-1)
+                q = apply_rope(q.view(b, h_, d), cos, sin)
+                k = apply_rope(k.view(b, kv, d), cos, sin)
+                k_cache, v_cache = cache.k[i, :b], cache.v[i, :b]  # [b, kv, max_len, d], views
+                k_cache.scatter_(2, write_at, k[:, :, None])
+                v_cache.scatter_(2, write_at, v.reshape(b, kv, 1, d))
+                o = self.attend(q.view(b, kv, h_ // kv, d), k_cache[:, :, :length], v_cache[:, :, :length], mask)
+                x = x + attn.o_proj(o.reshape(b, h_ * d))
+                gate, up = F.linear(layer.post_attention_layernorm(x), self.w_gate_up[i]).chunk(2, dim=-1)
+                x = x + layer.mlp.down_proj(F.silu(gate) * up)
+        torch.mm(model.model.norm(x), model.lm_head.weight.t(), out=self.logits[:b])
+
+    def _sdpa_backends(self):
+        # With a mask, flash attention is out; keep cuDNN out too (it builds a plan per shape and its
+        # graph capture is the least travelled path): the memory-efficient kernel, else math.
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero every token outside the smallest set whose mass reaches ``top_p`` (per row); the most
+    likely token always stays. Not renormalised: ``torch.multinomial`` does not need it."""
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(-1) - sorted_p
+    # Rows with top_p >= 1 keep everything, even if rounding lets the cumulative sum pass 1.
+    limit = torch.where(top_p < 1, top_p, torch.full_like(top_p, float("inf")))
+    sorted_p = sorted_p.masked_fill(mass_before > limit[:, None], 0.0)
+    return torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+
+
+def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
+           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits`` [B, V] and its log-probability, both [B] on the device.
+
+    Temperature 0 is greedy. The log-probability is ``modeling.logprobs_of``'s: log-softmax of the
+    float32 logits divided by the temperature (greedy: by 1), before top-p truncation. Only the work
+    a batch needs is done: an all-greedy batch is one argmax and one logsumexp over the vocabulary.
+    """
+    dev = logits.device
+    sampled = [t > 0 for t in temperatures]
+    if len(set(temperatures)) == 1:  # one temperature for all: scale by a number, no tensor to build
+        z = scaled_logits(logits, float(temperatures[0]))
+    else:
+        z = scaled_logits(logits, torch.tensor(temperatures, dtype=torch.float32, device=dev))
+    log_norm = torch.logsumexp(z, dim=-1)
+    tokens = z.argmax(-1)
+    if any(sampled):
+        probs = (z - log_norm[:, None]).exp_()
+        if any(p < 1 for p, s in zip(top_ps, sampled) if s):
+            probs = top_p_filter(probs, torch.tensor(top_ps, dtype=torch.float32, device=dev))
+        draw = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        tokens = draw if all(sampled) else torch.where(torch.tensor(sampled, device=dev), draw, tokens)
+    return tokens, z.gather(-1, tokens[:, None]).squeeze(1) - log_norm

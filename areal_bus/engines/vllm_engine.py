@@ -1,0 +1,438 @@
+"""A rollout engine on vLLM: the same ``RolloutEngine`` interface as the torch engine, for throughput on
+a CUDA host. An optional extra: ``pip install 'areal-bus[vllm]'``; select it with
+``rollout_engine.kind: vllm`` and ``model.device: cuda`` in the topology.
+
+NOT RUN: vLLM cannot be installed where this was written. The pure parts below (request to sampling
+parameters, outputs to completions, version tags, engine arguments, weight names and buffers) are
+unit-tested without vLLM (tests/test_vllm_engine.py); the class that drives vLLM is written against
+vLLM's documented API and has never executed. The README says the same.
+
+How it maps onto vLLM (v1 engine, vLLM >= 0.10.2):
+
+- Generation goes through ``vllm.LLMEngine`` (``from_engine_args`` / ``add_request`` / ``step``), the
+  offline step-at-a-time engine (docs.vllm.ai: examples/offline_inference/llm_engine_example.py). The
+  request id is ours (vLLM keeps the caller's id on ``RequestOutput.request_id``, vllm PR #27987), the
+  prompt is token ids (``TokensPrompt``), and ``SamplingParams(logprobs=0, output_kind=DELTA)`` returns,
+  per step, only the new tokens with the log-probability of each sampled token.
+- Version tags are meant to be exact (unverified, like everything here that calls vLLM): one
+  ``step()`` here is one model step and nothing runs between two calls: the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), asynchronous
+  scheduling is off (it would return a batch one step late, across a swap) and outputs stream every
+  step (``stream_interval=1``). A token returned by ``step()`` was computed by the weights in force
+  when that ``step()`` ran, so it carries ``self.version``, and ``swap_weights`` (called between
+  steps by the rollout node) changes both together.
+- The recorded log-probability is vLLM's ``processed_logprobs`` mode: log-softmax of the float32
+  logits after temperature (``modeling.logprobs_of``'s quantity, greedy scaled by 1). It equals what
+  the torch engine records and the trainer recomputes whenever ``top_p == 1``. With ``top_p < 1``
+  vLLM takes it after the nucleus cut, renormalised over the nucleus (the probability the token was
+  actually drawn with), where the torch engine takes it before the cut: the two differ by the log of
+  the nucleus' mass. Training episodes use ``rollout_engine.top_p`` (1.0 by default).
+- Weight updates use vLLM's worker extension and ``collective_rpc``, the route of vLLM's RLHF
+  examples (examples/offline_inference/rlhf_utils.py, ``ColocateWorkerExtension``: tensors rebuilt from
+  CUDA IPC handles inside the worker, then ``model_runner.model.load_weights`` and
+  ``process_weights_after_loading``). Only plain data crosses the RPC: once, where the weights live
+  (this run's shared-memory name, or the ``weights_cuda`` handles a trainer with CUDA buffers leaves in
+  a file beside the ipc sockets); then, per version, the location string. vLLM's newer native weight transfer API (docs.vllm.ai/en/latest/training/weight_transfer,
+  ``WeightTransferConfig(backend="ipc")``) sends pickled handles with every update
+  (``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), which this project refuses; ``weights_cuda``'s
+  double-buffered handles are opened once instead. ``load_weights`` copies into vLLM's own (fused)
+  parameters, so once the swap returns nothing reads the published buffer any more.
+- Running sequences keep the keys/values the old weights computed (the torch engine's default).
+  Prefix caching is off, so no new request reuses keys/values of an older version.
+- Stops: ``ignore_eos`` plus an explicit ``stop_token_ids`` (the checkpoint config's ``eos_token_id``
+  and the request's integer stops), and vLLM's generation_config defaults are not loaded
+  (``generation_config="vllm"``): the request alone says how to sample, as with the torch engine. The
+  stop token is part of the output, as there.
+
+Limits: one GPU (no tensor parallelism), the first one the process sees (choose it with
+``CUDA_VISIBLE_DEVICES``); the model families vLLM and ``modeling`` both know (Qwen2, Llama).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from areal_bus.messages import Completion, GenerateRequest
+
+INSTALL_HINT = "pip install 'areal-bus[vllm]'"
+
+EXTENSION_CLS = "areal_bus.engines.vllm_engine.WeightLoadExtension"
+"""Fully qualified name vLLM imports and mixes into its worker class (``worker_extension_cls``)."""
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.5
+"""vLLM takes this fraction of the GPU for weights, activations and KV cache. Not vLLM's 0.9: CUDA IPC
+weights mean the trainer shares this GPU, and it needs room for the model, gradients and optimizer."""
+
+_REQUIRED_ARGS = frozenset({
+    "model", "dtype", "seed", "max_model_len", "max_num_seqs", "gpu_memory_utilization",
+    "enable_prefix_caching", "logprobs_mode", "worker_extension_cls", "generation_config", "disable_log_stats",
+})
+"""Engine arguments the exactness of logprobs, stops and weights depends on: a vLLM without one is too old."""
+
+
+# -- requests and outputs (pure) --------------------------------------------------------------------
+
+
+def prompt_of(req: GenerateRequest, max_len: int) -> list[int]:
+    """The request's prompt as ints; ValueError, naming the request, for what the torch engine refuses too."""
+    prompt = [int(t) for t in np.asarray(req.prompt_ids).reshape(-1)]
+    if not 1 <= len(prompt) < max_len:
+        raise ValueError(f"request {req.request_id}: prompt of {len(prompt)} tokens, need 1..{max_len - 1}")
+    if req.max_tokens < 1:
+        raise ValueError(f"request {req.request_id}: max_tokens={req.max_tokens} < 1")
+    return prompt
+
+
+def sampling_spec(req: GenerateRequest, eos_token_ids: Iterable[int]) -> dict:
+    """``SamplingParams`` keyword arguments for ``req`` (all but ``output_kind``, an enum of vLLM's).
+
+    String stops need a tokenizer and are the gateway's to apply; integer stops are token ids."""
+    stops = {int(s) for s in req.stop if isinstance(s, (int, np.integer)) and not isinstance(s, bool)}
+    return {
+        "n": 1, "temperature": float(req.temperature), "top_p": float(req.top_p), "max_tokens": int(req.max_tokens),
+        "logprobs": 0,  # 0 = only the sampled token's log-probability
+        "ignore_eos": True, "stop_token_ids": sorted(stops | {int(t) for t in eos_token_ids}),
+        "detokenize": False,  # token ids are the product; text would cost CPU per step
+    }
+
+
+def sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:
+    """The log-probability of each sampled token, from a ``CompletionOutput.logprobs`` sequence (one
+    ``{token_id: Logprob}`` mapping per token; more entries when top-k logprobs were asked for)."""
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise ValueError(f"vLLM returned {'no' if logprobs is None else len(logprobs)} logprob entries for "
+                         f"{len(token_ids)} tokens (SamplingParams.logprobs must be 0)")
+    out = []
+    for tok, entry in zip(token_ids, logprobs):
+        lp = entry.get(tok) if entry is not None else None
+        if lp is None:
+            raise ValueError(f"vLLM returned no logprob for sampled token {tok}")
+        out.append(float(getattr(lp, "logprob", lp)))
+    return out
+
+
+@dataclass(slots=True)
+class Generation:
+    """One running request: what it has produced so far and the version of each token."""
+
+    req: GenerateRequest
+    started_at: float
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def completion(self, finish_reason: str, worker: str) -> Completion:
+        req = self.req
+        return Completion(
+            request_id=req.request_id, episode_id=req.episode_id, ticket=req.ticket, worker=worker,
+            output_ids=np.asarray(self.tokens, dtype=np.int32), logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            versions=np.asarray(self.versions, dtype=np.int32), finish_reason=finish_reason,
+            gen_seconds=time.time() - self.started_at,
+        )
+
+
+def absorb_outputs(running: dict[str, Generation], outputs, version: int, worker: str) -> list[Completion]:
+    """Fold one step's ``RequestOutput``s (DELTA kind: only the tokens new this step) into ``running``,
+    tagging every new token with ``version``; finished requests leave ``running`` as Completions."""
+    finished = []
+    for out in outputs:
+        gen = running.get(out.request_id)
+        if gen is None:  # not one of ours: this engine adds every request it steps, so never expected
+            continue
+        comp = out.outputs[0]
+        new = [int(t) for t in comp.token_ids]
+        gen.logprobs += sampled_logprobs(new, comp.logprobs)
+        gen.tokens += new
+        gen.versions += [version] * len(new)
+        if out.finished:
+            del running[out.request_id]
+            # vLLM says "stop" for a stop token and "length" for max_tokens or the model length.
+            finished.append(gen.completion(str(comp.finish_reason or "length"), worker))
+    return finished
+
+
+# -- engine arguments (pure) -------------------------------------------------------------------------
+
+
+def engine_kwargs(model_path: str | Path, *, max_batch: int, max_len: int, dtype: str, seed: int,
+                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION) -> dict:
+    """``vllm.EngineArgs`` keyword arguments: the model, our limits, and what exact tags need."""
+    return {
+        "model": str(model_path), "dtype": dtype, "seed": seed,
+        "max_model_len": max_len, "max_num_seqs": max_batch, "gpu_memory_utilization": gpu_memory_utilization,
+        "enable_prefix_caching": False,  # a cached prefix may hold keys/values of an older version
+        "logprobs_mode": "processed_logprobs",  # after temperature, as modeling.logprobs_of (module docstring)
+        "worker_extension_cls": EXTENSION_CLS,
+        "generation_config": "vllm",  # no sampling defaults from generation_config.json: the request decides
+        "disable_log_stats": True,
+        "async_scheduling": False,  # would hand back a step's tokens one step() later, across a swap
+        "stream_interval": 1,  # every step's tokens in that step's outputs, none held back
+    }
+
+
+def fit_engine_args(kwargs: dict, known: Iterable[str]) -> dict:
+    """``kwargs`` restricted to the fields this vLLM's EngineArgs has. A missing optional field is
+    dropped (vLLMs that predate it behave as asked: no asynchronous scheduling, streaming every step);
+    a missing required one means a vLLM too old for exact tags, and is an error."""
+    known = set(known)
+    missing = sorted(_REQUIRED_ARGS & (set(kwargs) - known))
+    if missing:
+        raise RuntimeError(f"this vLLM's EngineArgs lacks {', '.join(missing)}: vLLM >= 0.10.2 is needed "
+                           f"({INSTALL_HINT})")
+    return {k: v for k, v in kwargs.items() if k in known}
+
+
+def eos_ids(eos) -> list[int]:
+    """A config's ``eos_token_id`` (None, an int or a list) as a list."""
+    return [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
+
+
+# -- weights (pure of vLLM: these run inside vLLM's worker) ------------------------------------------
+
+
+def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in a checkpoint folder's ``*.safetensors``, from the file headers
+    (an 8-byte little-endian length, then JSON), without reading any tensor."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    shapes = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        shapes |= {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    return shapes
+
+
+def check_layout(got: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], tied: bool) -> None:
+    """Raise ValueError naming what differs between a published weight set and the checkpoint vLLM
+    loaded. Checked before any tensor is copied: a wrong weight set must not half-swap the model.
+
+    Our names are Hugging Face's, which is what vLLM's ``load_weights`` takes (it fuses q/k/v and
+    gate/up itself). A tied ``lm_head`` is the embedding (vLLM skips it); ``rotary_emb.inv_freq`` in
+    old checkpoints is not a weight."""
+    def norm(d):
+        return {k: tuple(v) for k, v in d.items()
+                if "rotary_emb.inv_freq" not in k and not (tied and k == "lm_head.weight")}
+
+    got, expected = norm(got), norm(expected)
+    missing, unknown = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    wrong = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])
+    if missing or unknown or wrong:
+        parts = [f"{what} {names[:5]}{' ...' if len(names) > 5 else ''}"
+                 for what, names in (("missing", missing), ("unknown", unknown), ("wrong shape", wrong)) if names]
+        raise ValueError("weight set does not match the served checkpoint: " + "; ".join(parts))
+
+
+def weight_items(views: Mapping, tied: bool) -> list[tuple[str, object]]:
+    """``(name, tensor)`` pairs for ``load_weights``, in the publisher's order."""
+    return [(k, t) for k, t in views.items() if not (tied and k == "lm_head.weight")]
+
+
+def handles_on_device(handles: Mapping, index: int) -> dict:
+    """``weights_cuda`` handles with every buffer's device replaced by ``index``, this process's index of
+    the same GPU: processes with different CUDA_VISIBLE_DEVICES number it differently (vLLM's
+    rlhf_utils.rebuild_ipc makes the same substitution)."""
+    return {**handles, "buffers": [{**b, "device": int(index)} for b in handles["buffers"]]}
+
+
+def changed_handles(path: str | Path, stamp: int | None) -> tuple[int, dict | None]:
+    """The trainer's CUDA handles file (``weights_cuda.save_handles``) if it changed since ``stamp``
+    (its mtime in ns when last read), else None; and its current stamp."""
+    from areal_bus.weights_cuda import load_handles
+
+    now = Path(path).stat().st_mtime_ns
+    return now, (None if now == stamp else load_handles(path))
+
+
+class WeightFeed:
+    """Where published weights come from, inside vLLM's worker: the run's shared-memory buffers, or a
+    trainer's CUDA IPC buffers (opened once; ``weights_cuda``). ``items(location)`` gives the tensors of
+    one version, checked against the checkpoint; ``done(location)`` lets the version go once copied."""
+
+    def __init__(self, expected: Mapping[str, Iterable[int]], tied: bool):
+        self.expected = {k: tuple(v) for k, v in expected.items()}
+        self.tied = tied
+        self.shm = None  # ShmWeightReader
+        self.cuda = None  # CudaWeightReader
+
+    def attach(self, source: Mapping, device_index: int | None = None) -> None:
+        """``{"kind": "shm", "name": <weight set>}`` or ``{"kind": "cuda", "handles": <CudaWeightWriter.handles()>}``."""
+        kind = source.get("kind")
+        if kind == "shm":
+            from areal_bus.weights_shm import ShmWeightReader
+            self.shm = ShmWeightReader(source["name"])
+        elif kind == "cuda":
+            from areal_bus.weights_cuda import CudaWeightReader
+            handles = source["handles"]
+            if self.cuda is not None:  # a restarted trainer exported new buffers: the old ones are gone
+                self.cuda.close()
+            self.cuda = CudaWeightReader(handles if device_index is None else handles_on_device(handles, device_index))
+        else:
+            raise ValueError(f"unknown weight source kind {kind!r} (shm or cuda)")
+
+    def _reader(self, location: str):
+        scheme = location.split(":", 1)[0]
+        reader = {"shm": self.shm, "cuda": self.cuda}.get(scheme)
+        if reader is None:
+            raise ValueError(f"no {scheme} weight source attached for {location!r}: "
+                             f"attach_weights({{'kind': '{scheme}', ...}}) first")
+        return reader
+
+    def items(self, location: str) -> list[tuple[str, object]]:
+        views = self._reader(location).open(location)
+        check_layout({k: tuple(t.shape) for k, t in views.items()}, self.expected, self.tied)
+        return weight_items(views, self.tied)
+
+    def done(self, location: str) -> None:
+        reader = self._reader(location)
+        if reader is self.shm:  # copied into vLLM's parameters: this worker no longer needs the buffer
+            reader.release(int(location.rsplit("@", 1)[1]))
+
+
+class WeightLoadExtension:
+    """Mixed into vLLM's worker class by ``worker_extension_cls``; called through ``collective_rpc``.
+    ``self.model_runner`` and ``self.device`` are the worker's (as in vLLM's rlhf_utils examples)."""
+
+    def areal_bus_attach(self, source: dict, expected: dict, tied: bool) -> None:
+        feed = getattr(self, "_areal_bus_feed", None)
+        if feed is None:
+            feed = self._areal_bus_feed = WeightFeed(expected, tied)
+        feed.attach(source, getattr(getattr(self, "device", None), "index", None))
+
+    def areal_bus_load(self, location: str) -> int:
+        import torch
+
+        feed = self._areal_bus_feed
+        items = feed.items(location)
+        model = self.model_runner.model
+        model.load_weights(weights=items)
+        try:  # vLLM's RLHF example runs it after every update (little to do for unquantized weights)
+            from vllm.model_executor.model_loader.utils import process_weights_after_loading
+        except ImportError:  # older vLLM: load_weights alone is the whole update
+            pass
+        else:
+            process_weights_after_loading(model, self.model_config, self.device)
+        torch.cuda.synchronize()  # the copies are done: the source buffer may be reused once we ack
+        feed.done(location)
+        return len(items)
+
+
+# -- the engine --------------------------------------------------------------------------------------
+
+
+def import_vllm():
+    """vLLM, imported for an engine that steps in this process (see the module docstring)."""
+    # Set before vLLM reads its environment. Forced, not defaulted: with the engine core in a
+    # background process, step() would return tokens computed before a swap after it.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(f"rollout_engine.kind 'vllm' needs vLLM, which is not installed ({exc}); "
+                          f"on a CUDA host: {INSTALL_HINT}") from exc
+    return vllm
+
+
+class VllmRolloutEngine:
+    """``RolloutEngine`` over vLLM's ``LLMEngine``, for the checkpoint folder ``model_path``.
+
+    ``weights``: where published versions come from (``WeightFeed.attach``); more can be attached
+    later with ``attach_weights``. ``cuda_handles_file``: where a trainer with CUDA buffers leaves their
+    handles (``weights_cuda.handles_path``); read at the first ``cuda:`` location and again whenever it
+    changes."""
+
+    def __init__(self, model_path: str | Path, *, max_batch: int = 16, max_len: int = 2048, dtype: str = "bfloat16",
+                 seed: int = 0, worker: str = "rollout", version: int = 0, eos_token_ids: list[int] | None = None,
+                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, weights: Mapping | None = None,
+                 cuda_handles_file: str | Path | None = None):
+        from areal_bus.modeling import ModelConfig
+
+        vllm = import_vllm()
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self._vllm, self._prompt, self._delta = vllm, TokensPrompt, RequestOutputKind.DELTA
+        cfg = ModelConfig.from_hf(model_path)
+        self.tied = cfg.tie_word_embeddings
+        self.eos_token_ids = eos_ids(cfg.eos_token_id) if eos_token_ids is None else [int(t) for t in eos_token_ids]
+        self.expected = {k: list(v) for k, v in checkpoint_shapes(model_path).items()}
+        self.max_batch, self.max_len, self.worker, self.version = max_batch, max_len, worker, version
+        kwargs = engine_kwargs(model_path, max_batch=max_batch, max_len=max_len, dtype=dtype, seed=seed,
+                               gpu_memory_utilization=gpu_memory_utilization)
+        args = fit_engine_args(kwargs, (f.name for f in dataclasses.fields(vllm.EngineArgs)))
+        self.llm = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**args))
+        self.steps = 0
+        self._running: dict[str, Generation] = {}
+        self.cuda_handles_file, self._handles_stamp = cuda_handles_file, None
+        if weights is not None:
+            self.attach_weights(weights)
+
+    def attach_weights(self, source: Mapping) -> None:
+        """Open a weight source in vLLM's worker: ``{"kind": "shm", "name": ...}`` or
+        ``{"kind": "cuda", "handles": CudaWeightWriter.handles()}`` (plain data only crosses)."""
+        self.llm.collective_rpc("areal_bus_attach", args=(dict(source), self.expected, self.tied))
+
+    # -- RolloutEngine interface ------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_batch - len(self._running)
+
+    @property
+    def running_ids(self) -> list[str]:
+        return list(self._running)
+
+    def add_request(self, req: GenerateRequest) -> None:
+        if self.free_slots <= 0:
+            raise RuntimeError(f"no free slot for {req.request_id} (max_batch={self.max_batch})")
+        if req.request_id in self._running:
+            raise ValueError(f"request {req.request_id} is already running")
+        prompt = prompt_of(req, self.max_len)
+        params = self._vllm.SamplingParams(**sampling_spec(req, self.eos_token_ids), output_kind=self._delta)
+        self.llm.add_request(req.request_id, self._prompt(prompt_token_ids=prompt), params)
+        self._running[req.request_id] = Generation(req, time.time())
+
+    def step(self) -> list[Completion]:
+        if not self._running:
+            return []
+        outputs = self.llm.step()
+        self.steps += 1
+        return absorb_outputs(self._running, outputs, self.version, self.worker)
+
+    def swap_weights(self, version: int, location: str) -> float:
+        """Load ``location`` into vLLM's parameters between two steps; running sequences carry on."""
+        t0 = time.perf_counter()
+        if location.startswith("cuda:") and self.cuda_handles_file is not None:
+            self._handles_stamp, handles = changed_handles(self.cuda_handles_file, self._handles_stamp)
+            if handles is not None:
+                self.attach_weights({"kind": "cuda", "handles": handles})
+        self.llm.collective_rpc("areal_bus_load", args=(location,))
+        self.version = version
+        return time.perf_counter() - t0
+
+
+def engine_from_topology(topo, worker: str, replica: int, base=None) -> VllmRolloutEngine:
+    """The rollout node's vLLM engine: the topology's model and limits, fed with what the trainer
+    publishes: shared-memory buffers, or CUDA buffers whose handles it leaves next to the ipc sockets."""
+    from areal_bus.weights_cuda import handles_path
+
+    cfg, model = topo.rollout_engine, topo.model
+    path = topo.model_path(base)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"model.path {path} holds no checkpoint (config.json)")
+    # model.device is 'cuda' or 'cuda:0' here: the topology refuses anything else for this engine.
+    return VllmRolloutEngine(path, max_batch=cfg.max_batch, max_len=cfg.max_len, dtype=model.dtype,
+                             seed=model.seed * 1000 + replica, worker=worker,
+                             gpu_memory_utilization=cfg.gpu_memory_utilization,
+                             weights={"kind": "shm", "name": topo.shm_name(base)},
+                             cuda_handles_file=handles_path(topo.ipc_dir(base), topo.shm_name(base)))

@@ -1,0 +1,245 @@
+"""Torch rollout engine decode speed on CUDA, beside Hugging Face transformers ``generate`` on the same
+GPU in the same run, and a check of the engine's logprobs against a full forward pass.
+
+Model: Qwen2-0.5B's shape (24 layers, hidden 896, 14 heads over 2 kv heads, vocabulary 151936), random
+weights (seed 0, std 0.02), bf16. Workload: a batch of 128-token random prompts, exactly ``--new``
+new tokens each (no EOS stop), greedy. Rows, each after one warm-up run of the same shape:
+
+  hf generate     transformers Qwen2ForCausalLM holding the same weights, sdpa attention, greedy,
+                  min_new_tokens = max_new_tokens (the warm-up is a 4-token generate)
+  engine          TorchRolloutEngine: static cache, decode steps replayed as CUDA graphs (the default
+                  on CUDA); "cold s" is its warm-up run, graph captures included
+  engine T=1      the same at temperature 1 (batched sampling on the device)
+  engine matmul   the same with attention as two batched matmuls instead of SDPA (--variants)
+  engine eager    the static-cache step without graphs (--variants)
+  engine gather   the older path: a per-step gather of each slot's cache (--variants)
+
+tokens/s = batch x new tokens / wall time from the first add_request (or the generate call) to the
+last completion, prefill included. Then the logprob check: 8 prompts sampled at temperature 1 for
+``--new`` tokens; the logprobs the engine recorded vs ``modeling.token_logprobs`` of prompt + output
+(the trainer's recompute, bf16) and vs transformers' full forward; the gather path's gap beside it.
+
+Needs torch, numpy and transformers (not pyzmq, pydantic or structlog).
+
+Run:  python3 bench/engine.py                          (CUDA host: about 2 minutes)
+      python3 bench/engine.py --variants               (+ eager and gather rows at each batch)
+      .venv/bin/python bench/engine.py --tiny --device cpu     (anywhere: a tiny model, end to end)
+
+The last line is ``RESULT ...`` with tokens/s, the ratios to HF, and the logprob gaps; the target is
+>= 10x HF at batch 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from areal_bus.engines.torch_engine import TorchRolloutEngine  # noqa: E402
+from areal_bus.messages import GenerateRequest  # noqa: E402
+from areal_bus.modeling import QWEN2_0_5B, TINY_QWEN2, make_random_model, token_logprobs  # noqa: E402
+
+LOGPROB_BATCH = 8
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def hf_model(model, device, dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**model.cfg.to_hf(dtype), attn_implementation="sdpa")
+    with torch.device(device):
+        hf = Qwen2ForCausalLM(config).to(dtype)
+    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"HF model does not take our weights: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return hf.eval()
+
+
+@torch.inference_mode()
+def run_hf(hf, prompts: torch.Tensor, new: int) -> float:
+    """Seconds for one greedy generate of exactly ``new`` tokens per row (after a short warm-up)."""
+    kw = dict(attention_mask=torch.ones_like(prompts), do_sample=False, pad_token_id=0)
+    hf.generate(prompts, max_new_tokens=4, min_new_tokens=4, **kw)
+    sync(prompts.device)
+    t0 = time.perf_counter()
+    out = hf.generate(prompts, max_new_tokens=new, min_new_tokens=new, **kw)
+    sync(prompts.device)
+    assert out.shape[1] == prompts.shape[1] + new, out.shape
+    return time.perf_counter() - t0
+
+
+def requests(prompts: torch.Tensor, new: int, temperature: float, tag: str) -> list[GenerateRequest]:
+    return [GenerateRequest(request_id=f"{tag}{i}", episode_id=f"{tag}{i}", ticket=0, min_version=0,
+                            max_tokens=new, temperature=temperature, prompt_ids=p.cpu().numpy().astype(np.int32))
+            for i, p in enumerate(prompts)]
+
+
+def generate(engine: TorchRolloutEngine, reqs: list[GenerateRequest]) -> tuple[float, dict]:
+    """Seconds from the first add_request to the last completion, and the completions by id."""
+    sync(engine.device)
+    t0 = time.perf_counter()
+    for r in reqs:
+        engine.add_request(r)
+    out = {}
+    while len(out) < len(reqs):
+        out |= {c.request_id: c for c in engine.step()}
+    sync(engine.device)
+    return time.perf_counter() - t0, out
+
+
+def make_engine(model, args, batch: int, mode: str, attention: str | None = None) -> TorchRolloutEngine:
+    # A round cache length keeps the length buckets multiples of 128 (the fused attention kernel
+    # wants the mask's length a multiple of 16, or pads it).
+    max_len = -(-(args.prompt + args.new + 1) // 128) * 128
+    return TorchRolloutEngine(model, max_batch=batch, max_len=max_len, device=args.device,
+                              dtype=model.lm_head.weight.dtype, eos_token_ids=[], static_decode=mode != "gather",
+                              cuda_graphs=mode == "graphs", attention=attention or args.attention,
+                              max_prefill_tokens=16384)
+
+
+def run_engine(model, args, prompts: torch.Tensor, mode: str, temperature: float = 0.0,
+               attention: str | None = None) -> tuple[float, float]:
+    """(warm seconds, cold seconds) for one batch at ``mode``: the cold run captures the graphs."""
+    engine = make_engine(model, args, len(prompts), mode, attention)
+    cold, _ = generate(engine, requests(prompts, args.new, temperature, "w"))
+    warm, out = generate(engine, requests(prompts, args.new, temperature, "t"))
+    assert all(c.output_ids.size == args.new for c in out.values())
+    del engine
+    free(torch.device(args.device))
+    return warm, cold
+
+
+def logprob_gaps(model, hf, args, prompts: torch.Tensor, mode: str) -> dict[str, float]:
+    """The engine's recorded logprobs (temperature 1) vs full forward passes of prompt + output."""
+    engine = make_engine(model, args, len(prompts), mode)
+    _, out = generate(engine, requests(prompts, args.new, 1.0, "lp"))
+    del engine
+    ids = torch.stack([torch.cat([p, torch.from_numpy(out[f"lp{i}"].output_ids).long().to(p.device)])
+                       for i, p in enumerate(prompts)])
+    recorded = torch.from_numpy(np.stack([out[f"lp{i}"].logprobs for i in range(len(prompts))])).to(ids.device)
+    n = prompts.shape[1]
+    with torch.inference_mode():
+        ours = token_logprobs(model, ids, temperature=1.0)[:, n:].float()
+        logits = hf(input_ids=ids).logits[:, n - 1:-1].float()
+        theirs = torch.log_softmax(logits, -1).gather(-1, ids[:, n:, None]).squeeze(-1)
+    gap, gap_hf = (recorded - ours).abs(), (recorded - theirs).abs()
+    free(torch.device(args.device))
+    return {"max": gap.max().item(), "mean": gap.mean().item(), "max_hf": gap_hf.max().item(),
+            "mean_hf": gap_hf.mean().item()}
+
+
+def efficient_sdpa_ok(model, device) -> str:
+    """Whether SDPA's memory-efficient kernel accepts what StaticDecoder gives it (grouped queries,
+    a strided view of the cache, a broadcast additive mask); if not, SDPA falls back to math."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cfg, b, length = model.cfg, 4, 256
+    kv, g, d = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim
+    cache = torch.randn(b, kv, 512, d, device=device, dtype=torch.bfloat16)
+    q = torch.randn(b, kv, g, d, device=device, dtype=torch.bfloat16)
+    mask = torch.zeros(b, 1, 1, length, device=device, dtype=torch.bfloat16)
+    try:
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            torch.nn.functional.scaled_dot_product_attention(q, cache[:, :, :length], cache[:, :, :length], attn_mask=mask)
+        return "yes"
+    except RuntimeError as e:  # deliberately tolerated: this is the question being asked
+        return f"no ({str(e).splitlines()[0][:120]})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="the tiny test model (batches 4, 8; 16-token prompts)")
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default 64 256 (tiny: 4 8)")
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 128; tiny: 16)")
+    ap.add_argument("--new", type=int, default=None, help="new tokens per prompt (default 256; tiny: 16)")
+    ap.add_argument("--attention", default="sdpa", choices=["sdpa", "matmul"])
+    ap.add_argument("--variants", action="store_true", help="add the other attention, eager and gather rows")
+    ap.add_argument("--no-graphs", action="store_true", help="the engine row without CUDA graphs")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers (ratios are then not printed)")
+    args = ap.parse_args()
+    args.batches = args.batches or ([4, 8] if args.tiny else [64, 256])
+    args.prompt = args.prompt or (16 if args.tiny else 128)
+    args.new = args.new or (16 if args.tiny else 256)
+    device = torch.device(args.device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if device.type == "cpu":
+        torch.set_num_threads(min(4, torch.get_num_threads()))
+    cfg = TINY_QWEN2 if args.tiny else QWEN2_0_5B
+    t0 = time.perf_counter()
+    model = make_random_model(cfg, seed=0, device=device, dtype=dtype, std=0.2 if args.tiny else 0.02)
+    hf = None if args.no_hf else hf_model(model, device, dtype)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"model {'tiny qwen2' if args.tiny else 'Qwen2-0.5B shape'} {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+          f"params {str(dtype).removeprefix('torch.')} on {gpu}; torch {torch.__version__}; prompts {args.prompt} "
+          f"tokens, {args.new} new tokens each; built in {time.perf_counter() - t0:.1f} s", flush=True)
+    main_mode = "eager" if args.no_graphs or device.type != "cuda" else "graphs"
+    if device.type == "cuda":
+        print(f"SDPA memory-efficient kernel takes the decode step's shapes: {efficient_sdpa_ok(model, device)}")
+    gen = torch.Generator().manual_seed(1)
+    result = {}
+    print(f"{'batch':>5}  {'what':<16} {'tokens/s':>10} {'x hf':>6} {'warm s':>7} {'cold s':>7}", flush=True)
+    for batch in args.batches:
+        prompts = torch.randint(0, model.cfg.vocab_size, (batch, args.prompt), generator=gen).to(device)
+        tokens = batch * args.new
+        hf_tps = None
+        if hf is not None:
+            secs = run_hf(hf, prompts, args.new)
+            hf_tps = tokens / secs
+            print(f"{batch:>5}  {'hf generate':<16} {hf_tps:>10.0f} {1.0:>6.2f} {secs:>7.2f} {'':>7}", flush=True)
+            result[f"hf_tok_s_{batch}"] = round(hf_tps)
+        todo = [("engine", main_mode, 0.0, None), ("engine T=1", main_mode, 1.0, None)]
+        if args.variants:
+            other = "matmul" if args.attention == "sdpa" else "sdpa"
+            todo += [(f"engine {other}", main_mode, 0.0, other), ("engine gather", "gather", 0.0, None)]
+            if main_mode == "graphs":
+                todo.insert(-1, ("engine eager", "eager", 0.0, None))
+        for what, mode, temperature, attention in todo:
+            warm, cold = run_engine(model, args, prompts, mode, temperature, attention)
+            tps = tokens / warm
+            ratio = tps / hf_tps if hf_tps else float("nan")
+            print(f"{batch:>5}  {what:<16} {tps:>10.0f} {ratio:>6.2f} {warm:>7.2f} {cold:>7.2f}", flush=True)
+            key = what.replace(" ", "_").replace("=", "").lower()
+            result[f"{key}_tok_s_{batch}"] = round(tps)
+            if what == "engine" and hf_tps:
+                result[f"ratio_{batch}"] = round(ratio, 2)
+    lp_prompts = torch.randint(0, model.cfg.vocab_size, (LOGPROB_BATCH, args.prompt), generator=gen).to(device)
+    if hf is None:
+        print("logprob check needs transformers (drop --no-hf)")
+    else:
+        print(f"logprobs at temperature 1, {LOGPROB_BATCH} x {args.new} tokens: |recorded - full forward|", flush=True)
+        gaps = {mode: logprob_gaps(model, hf, args, lp_prompts, mode) for mode in dict.fromkeys([main_mode, "gather"])}
+        for mode, g in gaps.items():
+            print(f"  {mode:<7} vs ours: max {g['max']:.2e} mean {g['mean']:.2e}   vs transformers: "
+                  f"max {g['max_hf']:.2e} mean {g['mean_hf']:.2e}", flush=True)
+        g = gaps[main_mode]
+        # bf16 tolerance: no worse than the gather path (the reference the CPU tests pin to float32
+        # exactness) by more than bf16 noise.
+        tol = max(0.05 if dtype == torch.bfloat16 else 1e-4, 2 * gaps["gather"]["max"])
+        ok = g["max"] <= tol
+        print(f"  {main_mode} path within tolerance {tol:.4f}: {'PASS' if ok else 'FAIL'}", flush=True)
+        result |= {"logprob_max_abs_diff": f"{g['max']:.3g}", "logprob_mean_abs_diff": f"{g['mean']:.3g}",
+                   "logprob_max_abs_diff_hf": f"{g['max_hf']:.3g}", "logprob_ok": ok}
+    print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
+    return 0 if result.get("logprob_ok", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

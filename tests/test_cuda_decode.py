@@ -1,0 +1,261 @@
+"""The static-cache decode path (``engines/cuda_decode``): the same tokens as the gather path and a naive
+full-forward loop, logprobs equal to a full forward pass, continuous batching exact. CPU tests run the
+step eagerly; the gpu tests replay it as CUDA graphs.
+
+Run:  .venv/bin/python -m pytest -q tests/test_cuda_decode.py
+      python3 -m pytest -q --noconftest -p no:cacheprovider tests/test_cuda_decode.py   (GPU host, no pyzmq)
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from areal_bus.engines.cuda_decode import buckets
+from areal_bus.engines.torch_engine import TorchRolloutEngine
+from areal_bus.messages import GenerateRequest
+from areal_bus.modeling import TINY_LLAMA, TINY_QWEN2, make_random_model, save_pretrained, token_logprobs
+
+PROMPTS = {"a": [1, 5, 9, 14, 3], "b": [7, 2], "c": [11, 4, 4, 8, 20, 33, 6, 17, 5], "d": [42]}
+# Small buckets, so short test sequences cross several lengths and pad the batch.
+SMALL = ([2, 4], [8, 16, 32, 64])
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models on a shared 2-core box: one intra-op thread is far faster than oversubscribing.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _model(cfg=TINY_QWEN2, seed=0):
+    return make_random_model(cfg, seed=seed, std=0.2)
+
+
+def _req(rid, prompt, max_tokens=12, temperature=0.0, top_p=1.0):
+    return GenerateRequest(request_id=rid, episode_id="ep-" + rid, ticket=0, min_version=0, max_tokens=max_tokens,
+                           temperature=temperature, prompt_ids=np.asarray(prompt, dtype=np.int32), top_p=top_p)
+
+
+def _engine(model, static=True, **kw):
+    kw = {"max_batch": 4, "max_len": 64, "eos_token_ids": [], "static_decode": static,
+          "decode_buckets": SMALL if static else None} | kw
+    return TorchRolloutEngine(model, **kw)
+
+
+def _run(engine, reqs, max_steps=300):
+    for r in reqs:
+        engine.add_request(r)
+    out = {}
+    for _ in range(max_steps):
+        out |= {c.request_id: c for c in engine.step()}
+        if len(out) == len(reqs):
+            return out
+    raise AssertionError("did not finish")
+
+
+def _naive_greedy(model, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids], device=model.lm_head.weight.device))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _full_logprobs(model, prompt, comp, temperature):
+    """What the trainer recomputes: token_logprobs of prompt + output, at the output tokens."""
+    ids = torch.from_numpy(np.concatenate([np.asarray(prompt), comp.output_ids])).long()[None]
+    with torch.no_grad():
+        lp = token_logprobs(model, ids.to(model.lm_head.weight.device), temperature=temperature)
+    return lp[0, len(prompt):].float().cpu().numpy()
+
+
+@pytest.mark.parametrize("cfg", [TINY_QWEN2, TINY_LLAMA], ids=["qwen2", "llama"])
+def test_static_greedy_equals_gather_path_and_naive_loop(cfg):
+    model = _model(cfg)
+    reqs = lambda: [_req(k, p, 30) for k, p in PROMPTS.items()]  # noqa: E731
+    static, gather = _run(_engine(model), reqs()), _run(_engine(model, static=False), reqs())
+    for k, p in PROMPTS.items():
+        assert static[k].output_ids.tolist() == _naive_greedy(model, p, 30) == gather[k].output_ids.tolist()
+        np.testing.assert_allclose(static[k].logprobs, gather[k].logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+def test_static_logprobs_equal_full_forward_at_sampled_tokens(attention):
+    model = _model()
+    reqs = [_req("a", PROMPTS["a"], 24, temperature=0.7, top_p=0.9), _req("b", PROMPTS["b"], 24, temperature=1.3),
+            _req("c", PROMPTS["c"], 24, temperature=0.0), _req("d", PROMPTS["d"], 24, temperature=1.0)]
+    out = _run(_engine(model, attention=attention), reqs)
+    for r in reqs:
+        comp = out[r.request_id]
+        assert comp.output_ids.size == 24
+        np.testing.assert_allclose(comp.logprobs, _full_logprobs(model, r.prompt_ids, comp, r.temperature), atol=1e-5)
+
+
+def test_requests_joining_and_leaving_mid_decode_match_running_alone():
+    model = _model()
+    plan = {"a": (PROMPTS["c"], 20), "b": (PROMPTS["b"], 3), "c": (PROMPTS["a"], 25), "d": (PROMPTS["d"], 10),
+            "e": (PROMPTS["b"], 6)}
+    alone = {k: _run(_engine(model), [_req(k, p, n)])[k] for k, (p, n) in plan.items()}
+    engine = _engine(model)
+    out = {}
+
+    def step():
+        out.update({c.request_id: c for c in engine.step()})
+
+    for k in "abc":
+        engine.add_request(_req(k, *plan[k]))
+    while "b" not in out:  # b leaves a hole in the middle of the running slots
+        step()
+    assert engine.free_slots == 2 and sorted(engine.running_ids) == ["a", "c"]
+    engine.add_request(_req("d", *plan["d"]))  # a one-token prompt: fed as a decode row at once
+    step()
+    step()
+    engine.add_request(_req("e", *plan["e"]))
+    while len(out) < len(plan):
+        step()
+    for k, (p, n) in plan.items():
+        assert out[k].output_ids.tolist() == alone[k].output_ids.tolist() == _naive_greedy(model, p, n), k
+        np.testing.assert_allclose(out[k].logprobs, alone[k].logprobs, atol=1e-5)
+    assert engine.free_slots == 4 and engine.running_ids == []
+
+
+def test_sequence_filling_max_len_is_exact_beside_others():
+    # Rows that are not decoding write at position max_len - 1: the sequence that fills the cache must
+    # never read what they wrote there.
+    model = _model()
+    engine = _engine(model, max_len=16, decode_buckets=([4], [8, 16]))
+    out = _run(engine, [_req("a", PROMPTS["a"], 50), _req("b", PROMPTS["b"], 4), _req("c", PROMPTS["d"], 50)])
+    assert out["a"].output_ids.tolist() == _naive_greedy(model, PROMPTS["a"], 11)
+    assert out["c"].output_ids.tolist() == _naive_greedy(model, PROMPTS["d"], 15)
+    assert out["a"].finish_reason == out["c"].finish_reason == "length"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+def test_weight_swap_reaches_the_static_decode_step(tmp_path, device):
+    # The fused q/k/v and gate/up weights are copies: a swap that forgot them would decode with the
+    # old weights. With recompute_kv_on_swap every token after the swap is the new weights' alone.
+    old, new = _model(seed=0), _model(seed=1)
+    save_pretrained(new, tmp_path)
+    engine = _engine(_model(seed=0), recompute_kv_on_swap=True, device=device)
+    engine.add_request(_req("a", PROMPTS["c"], 12, temperature=0.8))
+    for _ in range(4):
+        assert engine.step() == []
+    engine.swap_weights(1, str(tmp_path))
+    out = {}
+    while not out:
+        out = {c.request_id: c for c in engine.step()}
+    comp = out["a"]
+    assert comp.versions.tolist() == [0] * 4 + [1] * 8
+    np.testing.assert_allclose(comp.logprobs[:4], _full_logprobs(old, PROMPTS["c"], comp, 0.8)[:4], atol=1e-4)
+    np.testing.assert_allclose(comp.logprobs[4:], _full_logprobs(new, PROMPTS["c"], comp, 0.8)[4:], atol=1e-4)
+
+
+def test_buckets_pad_by_at_most_a_quarter_and_end_at_the_limit():
+    sizes = buckets(256, 1, 4)
+    assert sizes[-1] == 256
+    padded = {n: min(b for b in sizes if b >= n) for n in range(1, 257)}
+    assert all(padded[n] - n <= n // 4 for n in padded)
+    assert buckets(1000, 256, 2) == [256, 384, 512, 768, 1000]
+
+
+# -- CUDA graphs -----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_decode_matches_cpu_reference():
+    model = _model()
+    engine = _engine(_model(), device="cuda", max_batch=5, decode_buckets=([2, 4, 5], SMALL[1]))
+    assert engine.fast is not None and engine.fast.graphs  # the default on CUDA
+    reqs = [_req(k, p, 30) for k, p in PROMPTS.items()] + [_req("e", PROMPTS["a"], 30, temperature=1.0)]
+    out = _run(engine, reqs)
+    for k, p in PROMPTS.items():
+        assert out[k].output_ids.tolist() == _naive_greedy(model, p, 30)
+    for r in reqs:
+        np.testing.assert_allclose(out[r.request_id].logprobs,
+                                   _full_logprobs(model, r.prompt_ids, out[r.request_id], r.temperature), atol=1e-3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_continuous_batching_matches_running_alone():
+    model = _model().cuda()
+    plan = {"a": (PROMPTS["c"], 20), "b": (PROMPTS["b"], 3), "c": (PROMPTS["a"], 25), "d": (PROMPTS["d"], 10)}
+    alone = {k: _run(_engine(model, device="cuda"), [_req(k, p, n)])[k] for k, (p, n) in plan.items()}
+    engine = _engine(model, device="cuda")
+    out = {}
+    for k in "abc":
+        engine.add_request(_req(k, *plan[k]))
+    while "b" not in out:
+        out |= {c.request_id: c for c in engine.step()}
+    engine.add_request(_req("d", *plan["d"]))
+    while len(out) < len(plan):
+        out |= {c.request_id: c for c in engine.step()}
+    assert len(engine.fast.captured) >= 2  # several (batch, length) buckets were replayed
+    for k in plan:
+        assert out[k].output_ids.tolist() == alone[k].output_ids.tolist(), k
+        np.testing.assert_allclose(out[k].logprobs, alone[k].logprobs, atol=1e-4)
+
+
+# Qwen2-0.5B's attention shapes (14 heads of 64 over 2 kv heads), two layers, a small vocabulary.
+QWEN_HEADS = TINY_QWEN2 | {"vocab_size": 2048, "hidden_size": 896, "intermediate_size": 1024,
+                           "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 1024}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+def test_cuda_graph_bf16_logprobs_match_full_forward_as_closely_as_the_gather_path(attention):
+    model = make_random_model(QWEN_HEADS, seed=0, device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 2048, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, 300, (12,), generator=gen)]
+    reqs = [_req(f"r{i}", p, 300, temperature=1.0) for i, p in enumerate(prompts)]
+
+    def worst(static):
+        engine = TorchRolloutEngine(model, max_batch=16, max_len=640, dtype=torch.bfloat16, device="cuda",
+                                    eos_token_ids=[], attention=attention, static_decode=static)
+        out = _run(engine, reqs)
+        return max(float(np.abs(out[r.request_id].logprobs
+                                - _full_logprobs(model, r.prompt_ids, out[r.request_id], 1.0)).max()) for r in reqs)
+
+    graphs, gather = worst(True), worst(False)
+    assert graphs <= max(0.05, 2 * gather), (graphs, gather)
+
+
+def test_few_newcomers_wait_for_a_shared_prefill_and_still_match_running_alone():
+    """A turn arriving beside a busy batch is prefilled with others, at most prefill_every decode
+    steps later, and its output is what it would be alone."""
+    model = _model()
+    engine = _engine(model, max_batch=8, prefill_every=4, decode_buckets=([4, 8], SMALL[1]))
+    busy = {k: _req(k, PROMPTS["c"], 30) for k in "abcdef"}
+    for r in busy.values():
+        engine.add_request(r)
+    engine.step()  # the six prefill together
+    late = _req("late", PROMPTS["a"], 5)
+    engine.add_request(late)
+    waited = 0
+    out = {}
+    while True:
+        out.update({c.request_id: c for c in engine.step()})
+        seq = engine._running["late"]
+        if seq.cached:
+            break
+        waited += 1
+    assert waited == 3  # one newcomer beside six decoding rows: three steps of waiting, fed on the fourth
+    while len(out) < 7:
+        out.update({c.request_id: c for c in engine.step()})
+    alone = _run(_engine(model), [_req("late", PROMPTS["a"], 5)])["late"]
+    assert out["late"].output_ids.tolist() == alone.output_ids.tolist()
+    np.testing.assert_allclose(out["late"].logprobs, alone.logprobs, atol=1e-5)
+    # A newcomer that is a quarter of the batch or more goes at once.
+    engine2 = _engine(model, max_batch=8, prefill_every=4, decode_buckets=([4, 8], SMALL[1]))
+    for k in "abcd":
+        engine2.add_request(_req(k, PROMPTS["c"], 30))
+    engine2.step()
+    engine2.add_request(_req("x", PROMPTS["a"], 5))
+    engine2.step()
+    assert engine2._running["x"].cached > 0
