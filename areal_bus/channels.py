@@ -1,7 +1,8 @@
 """Sockets and the two ways messages move on them.
 
 ``open_socket`` makes a socket with the options every channel needs (linger, high-water marks,
-IMMEDIATE on PUSH so nothing queues for a peer that is not connected). ``Receiver`` decodes what
+IMMEDIATE on PUSH so nothing queues for a peer that is not connected, CURVE when the run uses it:
+see ``security``). ``Receiver`` decodes what
 arrives and counts, logs and drops anything malformed instead of raising. ``ReliableSender`` is the
 PUSH side of a data channel: it keeps every trajectory until the consumer acknowledges it, holds what
 ZeroMQ will not take (backpressure, visible in metrics) and resends what a restarted consumer lost.
@@ -16,14 +17,20 @@ from pathlib import Path
 import zmq
 
 from areal_bus.codec import DecodeError, Encoder, decode
-from areal_bus.constants import LINGER_MS, RESEND_AFTER_S
+from areal_bus.constants import DROPS_PER_RECV, LINGER_MS, RESEND_AFTER_S
 from areal_bus.metrics import Metrics
+from areal_bus.security import secure
 
 
 def open_socket(ctx: zmq.Context, stype: int, endpoint: str | list[str], *, bind: bool,
-                hwm: int | None = None, subscribe: tuple[bytes, ...] = ()) -> zmq.Socket:
+                hwm: int | None = None, subscribe: tuple[bytes, ...] = (), identity: bytes | None = None) -> zmq.Socket:
     sock = ctx.socket(stype)
     sock.linger = LINGER_MS
+    if identity is not None:
+        sock.identity = identity
+    # A node's context carries the run's CURVE keys (security.bus_context): a socket that binds
+    # serves only peers holding them, one that connects proves it holds them. No keys: no change.
+    secure(ctx, sock, bind=bind)
     if hwm is not None:
         sock.sndhwm = hwm
         sock.rcvhwm = hwm
@@ -36,7 +43,8 @@ def open_socket(ctx: zmq.Context, stype: int, endpoint: str | list[str], *, bind
             sock.setsockopt(zmq.SUBSCRIBE, topic)
     for ep in [endpoint] if isinstance(endpoint, str) else endpoint:
         if ep.startswith("ipc://"):
-            Path(ep[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
+            # Owner only: whoever can connect to an ipc socket can put messages on the bus.
+            Path(ep[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         sock.bind(ep) if bind else sock.connect(ep)
     return sock
 
@@ -53,18 +61,21 @@ class Receiver:
         self._last_logged: dict[str, float] = {}
 
     def recv(self, flags: int = zmq.NOBLOCK):
-        """One message as ``(envelope, msg)``; None if nothing is waiting or what came was dropped."""
-        try:
-            frames = self.sock.recv_multipart(flags, copy=False)
-        except zmq.Again:
-            return None
-        if self.topic:
-            frames = frames[1:]
-        try:
-            return decode(frames)
-        except DecodeError as err:
-            self.drop(err.reason, str(err))
-            return None
+        """One message as ``(envelope, msg)``; None if nothing is waiting. Malformed messages met on
+        the way are dropped (at most DROPS_PER_RECV of them: then None, and the caller's loop goes on)."""
+        for _ in range(DROPS_PER_RECV):
+            try:
+                frames = self.sock.recv_multipart(flags, copy=False)
+            except zmq.Again:
+                return None
+            if self.topic:
+                frames = frames[1:]
+            try:
+                return decode(frames)
+            except DecodeError as err:
+                self.drop(err.reason, str(err))
+            flags |= zmq.NOBLOCK  # a blocking call waits for the first message only
+        return None
 
     def drain(self, limit: int = 1000):
         """Everything waiting now (at most ``limit``)."""
@@ -150,8 +161,9 @@ class ReliableSender:
         return n
 
     def settle(self, ack) -> int:
-        """Forget every trajectory a TrajAck names: trained on, dropped as stale, or a duplicate."""
-        return self.ack(ack.consumed) + self.ack(ack.stale) + self.ack(ack.duplicate)
+        """Forget every trajectory a TrajAck names: trained on, dropped as stale, a duplicate, or
+        accepted into the trainer's durable spool."""
+        return self.ack(ack.consumed) + self.ack(ack.stale) + self.ack(ack.duplicate) + self.ack(ack.accepted)
 
     def resend(self, older_than: float | None = None) -> int:
         """Queue unacked messages again: all of them, or those sent more than ``older_than`` s ago."""

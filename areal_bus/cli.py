@@ -7,6 +7,7 @@
   areal-bus probe [--topology T] [--json]           attach to a running system, print throughput
   areal-bus plot --log-dir logs --metric reward     loss|reward|throughput|staleness curve as a PNG
   areal-bus run-end [--program trainer]             supervisord event listener: stop when training ends
+  areal-bus keys --out keys                         a CURVE keypair for tcp between hosts (endpoints.curve)
   areal-bus check-channel --config configs/router.yaml --model policy_model
                                                     one request through the model router: the reply,
                                                     or one line naming the failure and its fix
@@ -20,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+from areal_bus.security import CurveKeyError
 from areal_bus.topology import NODE_KINDS, TopologyError, dump_resolved, load_topology
 
 DEFAULT_TOPOLOGY = "topology/default.yaml"
@@ -58,6 +60,20 @@ def cmd_node(args) -> int:
             return 2
         return module.run(topo, args.replica, resume=True)
     return module.run(topo, args.replica)
+
+
+def cmd_keys(args) -> int:
+    from areal_bus.security import make_keys
+
+    try:
+        public, secret = make_keys(args.out, args.name, force=args.force)
+    except FileExistsError as err:
+        print(f"areal-bus keys: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {secret} (secret, mode 600) and {public} (public)\n"
+          f"copy {args.out}/ to every host (scp -rp keeps the mode), then in the topology:\n"
+          f"  endpoints:\n    transport: tcp\n    curve: {{key: {secret}}}")
+    return 0
 
 
 def cmd_probe(args) -> int:
@@ -138,6 +154,11 @@ def main(argv=None) -> int:
     e = sub.add_parser("run-end", help="supervisord event listener that ends the run with the trainer")
     e.add_argument("--program", default="trainer")
     e.set_defaults(fn=cmd_run_end)
+    k = sub.add_parser("keys", help="write the cluster's CURVE keypair (endpoints.curve.key names the secret file)")
+    k.add_argument("--out", default="keys", help="folder for <name>.key and <name>.key_secret")
+    k.add_argument("--name", default="cluster", help="file name stem")
+    k.add_argument("--force", action="store_true", help="replace existing keys (every host then needs the new ones)")
+    k.set_defaults(fn=cmd_keys)
     cc = sub.add_parser("check-channel", help="send one request through the model router (configs/router.yaml)")
     cc.add_argument("--config", default="configs/router.yaml", help="router YAML")
     cc.add_argument("--model", default="policy_model", help="a role (policy_model, reward_model, judge_model) "
@@ -151,7 +172,11 @@ def main(argv=None) -> int:
     if not Path(getattr(args, "topology", ".") or ".").exists():
         print(f"areal-bus: topology file {args.topology} not found", file=sys.stderr)
         return 2
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except CurveKeyError as err:  # endpoints.curve.key of a node or the probe: one line, file and fix
+        print(f"areal-bus: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

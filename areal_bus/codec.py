@@ -24,7 +24,7 @@ import msgpack
 import numpy as np
 
 from areal_bus.constants import MAX_FRAMES, MAX_HEADER_BYTES, WIRE_VERSION
-from areal_bus.messages import REGISTRY
+from areal_bus.messages import REGISTRY, IntRange
 
 # The only dtypes that may cross the wire. bfloat16 comes from ml_dtypes (numpy has none).
 DTYPES: dict[str, np.dtype] = {
@@ -58,24 +58,28 @@ class _Spec:
     """Per-message-type field layout, worked out once from the dataclass."""
 
     def __init__(self, cls):
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls, include_extras=True)
         self.cls = cls
         self.arrays = tuple(cls.ARRAYS) if hasattr(cls, "ARRAYS") else ()
-        # (name, allowed types, those types as a set, required). decode accepts a value whose exact
-        # type is in the set without calling _check_scalar: what msgpack produces is always an exact
-        # builtin type, and an exact match passes that check (bool only matches where bool is allowed).
+        # (name, allowed types, those types as a set, required, contents check or None). decode accepts
+        # a value whose exact type is in the set without calling _check_scalar: what msgpack produces
+        # is always an exact builtin type, and an exact match passes that check (bool only matches
+        # where bool is allowed). The contents check is there only for hints that say more than a
+        # type (list[str], dict[str, float], a bounded int): the free-form fields cost nothing.
         self.scalars = []
         for f in fields(cls):
             if f.name in self.arrays:
                 continue
             required = f.default is MISSING and f.default_factory is MISSING
             allowed = _allowed(hints[f.name])
-            self.scalars.append((f.name, allowed, frozenset(allowed), required))
-        self.scalar_order = tuple(n for n, _, _, _ in self.scalars)
+            self.scalars.append((f.name, allowed, frozenset(allowed), required, _contents_check(hints[f.name])))
+        self.scalar_order = tuple(n for n, _, _, _, _ in self.scalars)
         self.scalar_names = frozenset(self.scalar_order)
 
 
 def _allowed(hint) -> tuple[type, ...]:
+    if typing.get_origin(hint) is typing.Annotated:
+        return _allowed(typing.get_args(hint)[0])
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         out: tuple[type, ...] = ()
         for h in typing.get_args(hint):
@@ -87,6 +91,46 @@ def _allowed(hint) -> tuple[type, ...]:
         return (float, int)
     origin = typing.get_origin(hint)
     return (origin or hint,)
+
+
+def _contents_check(hint):
+    """For a field whose hint says more than its type: a function ``(name, value)`` that raises
+    DecodeError when the value (already of the right type) breaks it; None otherwise. Nodes use these
+    values as dict keys, array entries and counts: a TrajAck id that is a list, or a policy version
+    past int32, must be refused here rather than crash the node that trusts it."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Annotated:
+        bounds = next((a for a in args[1:] if isinstance(a, IntRange)), None)
+        if bounds is None:
+            return _contents_check(args[0])
+        lo, hi = bounds
+
+        def in_range(name, value):
+            if not lo <= value <= hi:
+                raise DecodeError("out_of_range", f"{name}={value}"[:64])
+        return in_range
+    if (origin is list and args) or (origin is dict and args):
+        ok = _element_test(hint)
+
+        def contents(name, value):
+            if not ok(value):
+                raise DecodeError("bad_field", f"{name} holds values other than {hint}"[:64])
+        return contents
+    return None
+
+
+def _element_test(hint):
+    """A predicate: does a decoded value match ``hint`` (str, int, float, bool, list[X], dict[str, X])."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list and args:
+        item = _element_test(args[0])
+        return lambda v: type(v) is list and all(item(x) for x in v)
+    if origin is dict and args:
+        key, val = _element_test(args[0]), _element_test(args[1])
+        return lambda v: type(v) is dict and all(key(k) and val(x) for k, x in v.items())
+    if hint is float:
+        return lambda v: type(v) is float or type(v) is int
+    return lambda v: type(v) is hint  # exact: a bool is not an int here either
 
 
 _SPECS = {tag: _Spec(cls) for tag, cls in REGISTRY.items()}
@@ -160,11 +204,13 @@ def decode(frames: typing.Sequence) -> tuple[Envelope, object]:
     if not isinstance(body, dict) or not isinstance(metas, list):
         raise DecodeError("bad_envelope", "body/arrays")
     kwargs = {}
-    for name, allowed, exact, required in spec.scalars:
+    for name, allowed, exact, required, contents in spec.scalars:
         if name in body:
             value = body[name]
             if type(value) not in exact:
                 _check_scalar(name, value, allowed)
+            if contents is not None and value is not None:
+                contents(name, value)
             kwargs[name] = value
         elif required:
             raise DecodeError("missing_field", name)
@@ -196,7 +242,12 @@ def _array(expected: str, meta, frame) -> np.ndarray:
     if buf.nbytes != count * dtype.itemsize:
         raise DecodeError("array_size", f"{expected}: {buf.nbytes} bytes for {shape} {dname}")
     arr = np.frombuffer(buf, dtype, count)
-    return arr if len(shape) == 1 else arr.reshape(shape)  # frombuffer is already 1-D
+    if len(shape) == 1:
+        return arr  # frombuffer is already 1-D
+    try:
+        return arr.reshape(shape)
+    except ValueError:  # an empty array "shaped" [0, 2**63]: dimensions past what numpy can index
+        raise DecodeError("bad_shape", f"{expected}: {shape}"[:64]) from None
 
 
 def _buffer_of(frame) -> memoryview:

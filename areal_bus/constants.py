@@ -15,6 +15,11 @@ MAX_FRAMES = 32
 MAX_HEADER_BYTES = 1 << 20
 """A msgpack header over 1 MiB is not one of ours (headers are small; bulk data rides in extra frames)."""
 
+DROPS_PER_RECV = 256
+"""Malformed messages one ``Receiver.recv`` call drops (counting each) on its way to a good one. Callers
+read "nothing" as "nothing waiting" and go back to their poll, so without this a flood of junk would
+let through one good message per main-loop turn; bounded so that a flood still yields to the loop."""
+
 # Liveness -------------------------------------------------------------------------------------
 HEARTBEAT_INTERVAL_S = 0.5
 """Every node publishes a heartbeat (with its metrics) this often. Half a second keeps the probe's

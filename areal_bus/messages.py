@@ -17,7 +17,7 @@ Channels (names as in the topology's ``endpoints``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Annotated, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -34,6 +34,21 @@ TOPIC_RUN = b"run"
 SNAPSHOT_TOPICS = (TOPIC_VERSION, TOPIC_RUN)
 
 REGISTRY: dict[str, type] = {}
+
+
+class IntRange(NamedTuple):
+    """Bounds of an int field (``Annotated[int, IntRange(lo, hi)]``): the codec refuses a value
+    outside them as malformed, as it refuses a value of the wrong type."""
+
+    lo: int
+    hi: int
+
+
+Version = Annotated[int, IntRange(0, 2**31 - 1)]
+"""A policy version. Every generated token carries one in an int32 array, so a version past int32
+is malformed wherever it arrives (decode refuses it; it never reaches a node)."""
+Ids = list[str]
+"""Trajectory or request ids: nodes look them up in dicts, so each must be a string (checked at decode)."""
 
 
 def message(tag: str):
@@ -70,7 +85,7 @@ class GenerateRequest:
     request_id: str
     episode_id: str
     ticket: int
-    min_version: int
+    min_version: Version
     max_tokens: int
     temperature: float
     prompt_ids: np.ndarray
@@ -146,13 +161,18 @@ class Trajectory:
 @dataclass(slots=True)
 class WeightsReady:
     """trainer -> weights (channel ``weights``). The trainer finished update ``version``; its weights
-    are at ``location`` (a shared-memory name, a path, or "" for simulated engines)."""
+    are at ``location`` (a shared-memory name, a path, or "" for simulated engines).
+
+    ``lineage`` names the trainer process that made them; lineages sort by start time. A restarted
+    trainer resumes from its checkpoint, so its versions may be lower than the last ones announced:
+    (lineage, version) is what only ever goes up."""
 
     TAG: ClassVar[str]
-    version: int
+    version: Version
     location: str
     nbytes: int
     step_seconds: float = 0.0
+    lineage: str = ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,11 +197,11 @@ class Heartbeat:
     incarnation: str
     pid: int
     t: float
-    version: int
-    counters: dict
-    gauges: dict
-    hists: dict
-    inflight: list = field(default_factory=list)
+    version: Version
+    counters: dict[str, float]
+    gauges: dict[str, float]
+    hists: dict[str, dict[str, float]]
+    inflight: Ids = field(default_factory=list)
 
 
 @message("ver")
@@ -191,10 +211,11 @@ class VersionAnnounce:
     ``location``; rollout workers switch at their next safe point and answer with VersionAck."""
 
     TAG: ClassVar[str]
-    version: int
+    version: Version
     location: str
     nbytes: int
     published_at: float
+    lineage: str = ""  # as in WeightsReady: a worker switches when (lineage, version) goes up
 
 
 @message("vack")
@@ -205,8 +226,9 @@ class VersionAck:
 
     TAG: ClassVar[str]
     node_id: str
-    version: int
+    version: Version
     switch_seconds: float = 0.0
+    lineage: str = ""
 
 
 @message("vcom")
@@ -216,21 +238,24 @@ class VersionCommitted:
     of older versions may be overwritten."""
 
     TAG: ClassVar[str]
-    version: int
+    version: Version
+    lineage: str = ""
 
 
 @message("ack")
 @dataclass(slots=True)
 class TrajAck:
     """trainer -> producers and agents (topic ``ack``). Ids the trainer has taken for good: trained
-    on (``consumed``), dropped as over-stale (``stale``), or already seen (``duplicate``). Producers
+    on (``consumed``), dropped as over-stale (``stale``), already seen (``duplicate``), or, with a
+    durable spool, committed to it (``accepted``: a restarted trainer re-queues it). Producers
     forget these. Admission counts come from RunState.sources, which a lost ack cannot skew."""
 
     TAG: ClassVar[str]
-    trainer_version: int
-    consumed: list
-    stale: list
-    duplicate: list
+    trainer_version: Version
+    consumed: Ids
+    stale: Ids
+    duplicate: Ids
+    accepted: Ids = field(default_factory=list)
 
 
 @message("evt")
@@ -253,10 +278,13 @@ class RunState:
     Published after every update and stale drop and repeated every heartbeat interval, so a lost one
     heals. ``sources`` maps each episode source (Trajectory.source) to its running totals
     ``[consumed, stale]`` in this trainer ``incarnation``: admission is computed from these totals,
-    never from individual acks (PUB/SUB may lose a message; a total repeated is idempotent)."""
+    never from individual acks (PUB/SUB may lose a message; a total repeated is idempotent). With a
+    durable spool ``incarnation`` is the run's epoch, kept across trainer restarts: a restarted trainer
+    restores the totals of its checkpoint and re-trains the spool, so the totals catch up exactly and
+    agents count on; without one each trainer process is an epoch of its own (agents rebase)."""
 
     TAG: ClassVar[str]
-    version: int
+    version: Version
     max_steps: int
     finished: bool
     consumed: int

@@ -28,6 +28,7 @@ from areal_bus.codec import Encoder, pack_topic
 from areal_bus.constants import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS, LINGER_MS, PUB_HWM
 from areal_bus.logs import setup_logging
 from areal_bus.metrics import Metrics
+from areal_bus.security import bus_context
 from areal_bus.topology import Topology, dump_resolved
 
 
@@ -87,7 +88,8 @@ class NodeShell:
         self.log_dir = topo.log_dir(self.base)
         self.log = setup_logging(kind, self.log_dir, echo=echo, node=self.node_id)
         self.metrics = Metrics()
-        self.ctx = zmq.Context()
+        # The run's CURVE keys ride on the context: every socket open_socket makes uses them.
+        self.ctx = bus_context(topo.curve_keys(self.base), self.metrics, self.log)
         self.encoder = Encoder(self.node_id)
         self.version = 0
         self.peers = PeerTable()

@@ -10,6 +10,7 @@ environment. Load with ``load_topology(path)``.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import re
 from pathlib import Path
@@ -41,12 +42,32 @@ class Parallelism(_Strict):
     cp: int = Field(1, ge=1, le=64, description="Context-parallel degree of the trainer.")
     ep: int = Field(1, ge=1, le=64, description="Expert-parallel degree of the trainer.")
 
+    @model_validator(mode="after")
+    def _supported(self):
+        unsupported = [f"{k}={getattr(self, k)}" for k in ("pp", "cp", "ep") if getattr(self, k) > 1]
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)} not supported by the trainer; it supports dp (data "
+                             f"parallel, FSDP2) and tp (tensor parallel, DTensor), with pp, cp and ep 1")
+        return self
+
 
 class LoggingConfig(_Strict):
     log_dir: str = Field("logs", description="Where node logs (train.log, rollout.log, ...), supervisord's "
                          "logs and checkpoints go. Relative paths are relative to the supervisord.conf's folder.")
     log_interval: int = Field(5, ge=1, le=100_000, description="A throughput line every this many train steps.")
     save_interval: int = Field(0, ge=0, le=1_000_000, description="Checkpoint every this many steps; 0 = never.")
+
+
+class DurabilityConfig(_Strict):
+    spool: bool = Field(True, description="Keep every trajectory the trainer accepts in a SQLite (WAL) spool under "
+                        "log_dir until a checkpoint covers it; a trainer that supervisord restarts resumes from its "
+                        "newest checkpoint and re-queues the spool, so nothing accepted is lost or trained twice. "
+                        "false: producers keep trajectories until trained, and a restarted trainer starts over.")
+    sync_every_ms: float = Field(5.0, ge=0, le=10_000, description="Accepted trajectories are committed together "
+                                 "at most this long after the first of them arrived (producers forget them then).")
+    batch_rows: int = Field(64, ge=1, le=100_000, description="...or as soon as this many are waiting.")
+    fsync: bool = Field(False, description="Flush to disk at every commit (SQLite synchronous=FULL): survives power "
+                        "loss too, not only process crashes (kill -9), at one disk flush per commit.")
 
 
 class AgentConfig(_Strict):
@@ -94,8 +115,10 @@ class ModelSpec(_Strict):
 
 
 class RolloutEngineConfig(_Strict):
-    kind: Literal["sim", "torch"] = Field("sim", description="Generation engine. 'sim' models decode time; "
-                                          "'torch' generates with the model at model.path (KV cache, continuous batching).")
+    kind: Literal["sim", "torch", "vllm"] = Field("sim", description="Generation engine. 'sim' models decode time; "
+                                                  "'torch' generates with the model at model.path (KV cache, continuous "
+                                                  "batching); 'vllm' does so with vLLM (pip install 'areal-bus[vllm]'; "
+                                                  "model.device cuda; never run yet, see the README).")
     max_len: int = Field(1024, ge=8, le=1_000_000, description="torch: KV-cache length per sequence (prompt + output).")
     temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature for training episodes.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass for training episodes.")
@@ -104,6 +127,8 @@ class RolloutEngineConfig(_Strict):
                                  "Memory-bound GPU decode is nearly flat in batch size.")
     decode_step_per_seq_s: float = Field(0.00001, ge=0, le=1, description="sim: extra step time per sequence in the batch.")
     swap_s: float = Field(0.005, ge=0, le=60, description="sim: pause to switch to new weights at a safe point.")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm: fraction of the GPU vLLM takes for "
+                                          "weights, activations and KV cache; the trainer shares the GPU, leave it room.")
     output_len: LengthDistribution = Field(default_factory=LengthDistribution)
 
 
@@ -127,16 +152,31 @@ class TrainerEngineConfig(_Strict):
     update_overhead_s: float = Field(0.01, ge=0, le=60, description="sim: fixed cost per update (weight export, sync).")
 
 
+class CurveConfig(_Strict):
+    key: str = Field(..., min_length=1, description="The cluster's CURVE secret key file, made by `areal-bus keys "
+                     "--out DIR` (DIR/cluster.key_secret, mode 600) and copied to every host. Every socket that "
+                     "binds serves with it and admits only peers proving they hold it; every socket that connects "
+                     "proves it. Relative to the supervisord.conf's folder; may use ${ENV}.")
+
+
 class Endpoints(_Strict):
     transport: Literal["ipc", "tcp"] = Field("ipc", description="ipc:// on one host (default), tcp:// across hosts.")
     ipc_dir: str | None = Field(None, description="Folder for ipc sockets; default /tmp/areal_bus-<hash of log_dir>.")
-    host: str = Field("127.0.0.1", description="tcp: address nodes bind and connect to; loopback by default.")
+    host: str = Field("127.0.0.1", description="tcp: the IP address channels bind and connect to (ZeroMQ binds "
+                      "addresses, not names); loopback by default. A node kind with its own nodes.<kind>.host "
+                      "binds its channels at that address instead.")
     base_port: int = Field(25500, ge=1024, le=60000, description="tcp: first port; channels take fixed offsets from it.")
+    curve: CurveConfig | None = Field(None, description="Authenticate and encrypt every socket with ZeroMQ CURVE. "
+                                      "Required for tcp beyond loopback (unless allow_insecure).")
+    allow_insecure: bool = Field(False, description="tcp beyond loopback without CURVE: anyone who reaches the "
+                                 "ports can inject trajectories or weights and read the traffic. Only for a "
+                                 "network you trust entirely.")
 
 
 class NodeSpec(_Strict):
     replicas: int | None = Field(None, ge=0, le=1024, description="Processes of this kind (0 = not started).")
-    host: str = Field("localhost", description="Host the node runs on (render writes the local ones).")
+    host: str = Field("localhost", description="Host the node runs on. With tcp, the IP address this kind's "
+                      "channels bind at and its peers connect to ('localhost': endpoints.host).")
     config: dict = Field(default_factory=dict, description="Node-specific settings, passed to the node as is.")
 
 
@@ -144,7 +184,8 @@ class Topology(_Strict):
     name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Run name.")
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     rollout_workers: int = Field(4, ge=0, le=1024, description="Rollout worker processes (edit to scale).")
-    train_workers: int = Field(1, ge=1, le=1024, description="Trainer ranks (data parallel).")
+    train_workers: int = Field(1, ge=1, le=1024, description="Trainer ranks: parallelism.dp x parallelism.tp. "
+                               "Set either: left at 1, one follows the other (train_workers alone is dp).")
     staleness_threshold: int = Field(2, ge=0, le=64, description="Policy versions a trajectory may lag when consumed; "
                                      "1 is nearly synchronous, 8 risks divergence, 2-4 recommended.")
     queue_max_size: int = Field(256, ge=1, le=1_000_000, description="Trajectory queue capacity; past it producers "
@@ -159,6 +200,7 @@ class Topology(_Strict):
     max_steps: int = Field(20, ge=1, le=10_000_000, description="Updates before the run ends by itself.")
     parallelism: Parallelism = Field(default_factory=Parallelism)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    durability: DurabilityConfig = Field(default_factory=DurabilityConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
     model: ModelSpec = Field(default_factory=ModelSpec)
     rollout_engine: RolloutEngineConfig = Field(default_factory=RolloutEngineConfig)
@@ -169,6 +211,15 @@ class Topology(_Strict):
 
     @model_validator(mode="after")
     def _coherent(self):
+        par = self.parallelism  # one trainer rank per (dp, tp) pair; a side left at 1 follows the other
+        if par.dp * par.tp == 1:
+            par.dp = self.train_workers
+        elif self.train_workers == 1:
+            self.train_workers = par.dp * par.tp
+        elif self.train_workers != par.dp * par.tp:
+            raise ValueError(f"train_workers ({self.train_workers}) and parallelism dp x tp ({par.dp} x {par.tp} "
+                             f"= {par.dp * par.tp}) disagree: the trainer runs one rank per (dp, tp) pair; set "
+                             f"train_workers to {par.dp * par.tp} or leave it at 1")
         if self.trigger_batch_size > self.global_batch_size:
             raise ValueError(f"trigger_batch_size ({self.trigger_batch_size}) must be <= global_batch_size "
                              f"({self.global_batch_size})")
@@ -183,8 +234,12 @@ class Topology(_Strict):
                 and "rollout_workers" in self.model_fields_set:
             raise ValueError(f"nodes.rollout.replicas ({rollout.replicas}) and rollout_workers "
                              f"({self.rollout_workers}) disagree; set one of them")
-        if (self.rollout_engine.kind == "torch") != (self.trainer_engine.kind == "torch"):
-            raise ValueError("rollout_engine.kind and trainer_engine.kind must both be 'sim' or both 'torch'")
+        if (self.rollout_engine.kind == "sim") != (self.trainer_engine.kind == "sim"):
+            raise ValueError("rollout_engine.kind and trainer_engine.kind must both be 'sim', or 'torch'/'vllm' "
+                             "with 'torch'")
+        if self.rollout_engine.kind == "vllm" and not re.fullmatch(r"cuda(:0)?", self.model.device):
+            raise ValueError(f"rollout_engine.kind 'vllm' runs on the first GPU the process sees: model.device "
+                             f"must be 'cuda' (choose the GPU with CUDA_VISIBLE_DEVICES), got {self.model.device!r}")
         if (self.agent.framework == "sim") != (self.rollout_engine.kind == "sim"):
             raise ValueError("agent.framework 'sim' goes with the sim engines, a real task with the torch engines")
         if self.agent.via == "gateway" and (self.replicas("gateway") < 1 or self.agent.framework != "guess"):
@@ -195,6 +250,17 @@ class Topology(_Strict):
             if spec is not None and spec.replicas not in (None, 1):
                 raise ValueError(f"nodes.{kind}.replicas must be 1 (one {kind} per run; "
                                  f"trainer ranks are set by train_workers)")
+        ep = self.endpoints
+        if ep.transport == "tcp" and ep.curve is None and not ep.allow_insecure:
+            hosts = [("endpoints.host", ep.host)] + [(f"nodes.{k}.host", spec.host) for k, spec in self.nodes.items()
+                                                     if spec.host != "localhost"]
+            exposed = [(f, h) for f, h in hosts if not _loopback(h)]
+            if exposed:
+                field, host = exposed[0]
+                raise ValueError(f"{field} {host} is not a loopback address, so tcp between hosts must use CURVE: "
+                                 f"run `areal-bus keys --out keys`, copy keys/ to every host, and set "
+                                 f"endpoints.curve.key: keys/cluster.key_secret (or endpoints.allow_insecure: "
+                                 f"true on a network you trust entirely)")
         return self
 
     # -- derived ------------------------------------------------------------------------------
@@ -254,13 +320,39 @@ class Topology(_Strict):
 
     def endpoint(self, channel: str, replica: int = 0, base: Path | None = None) -> str:
         """Address of ``channel`` (as bound by its owner; connectors use the same string)."""
-        offsets = {"hub_in": 0, "hub_out": 1, "work": 100, "samples": 200, "train": 300, "weights": 400,
-                   "replies": 500, "gwork": 600}
-        if channel not in offsets:
+        if channel not in CHANNEL_OWNERS:
             raise KeyError(channel)
         if self.endpoints.transport == "tcp":
-            return f"tcp://{self.endpoints.host}:{self.endpoints.base_port + offsets[channel] + replica}"
+            spec = self.nodes.get(CHANNEL_OWNERS[channel])
+            host = spec.host if spec is not None and spec.host != "localhost" else self.endpoints.host
+            return f"tcp://{host}:{self.endpoints.base_port + _PORT_OFFSETS[channel] + replica}"
         return f"ipc://{self.ipc_dir(base)}/{channel}-{replica}.sock"
+
+    def curve_keys(self, base: Path | None = None):
+        """The cluster's CURVE keys (security.CurveKeys), or None when the run does not use CURVE.
+        Raises security.CurveKeyError naming the file and the fix."""
+        if self.endpoints.curve is None:
+            return None
+        from areal_bus.security import load_keys
+
+        p = Path(self.endpoints.curve.key)
+        return load_keys(p if p.is_absolute() else (base or Path.cwd()) / p)
+
+
+CHANNEL_OWNERS = {"hub_in": "bus", "hub_out": "bus", "work": "agent", "replies": "agent", "samples": "reward",
+                  "train": "trainer", "weights": "weights", "gwork": "gateway"}
+"""The node kind that binds each channel: with tcp, the channel lives at that kind's host."""
+_PORT_OFFSETS = {"hub_in": 0, "hub_out": 1, "work": 100, "samples": 200, "train": 300, "weights": 400,
+                 "replies": 500, "gwork": 600}
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name, or '*' (every interface)
 
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")

@@ -28,6 +28,7 @@ from areal_bus.admission import Admission
 from areal_bus.channels import Receiver, ReliableSender, open_socket
 from areal_bus.constants import POLL_MS, REISSUE_UNCLAIMED_S, WORK_HWM
 from areal_bus.episode import EpisodeRecord
+from areal_bus.ledger import Ledger, ledger_path
 from areal_bus.node import NodeShell
 
 
@@ -200,6 +201,7 @@ def run(topo, replica: int = 0, base=None) -> int:
     src = EpisodeSource(topo, replica, topo.replicas("agent"), make_driver(topo, base),
                         source=f"{shell.node_id}:{shell.incarnation}")
     consumer_kind = "reward" if topo.replicas("reward") else "trainer"
+    ledger = Ledger(ledger_path(shell.log_dir, shell.node_id))  # what we produced, for the audit
     shell.announce_start(mode="async" if topo.is_async else "sync", staleness=topo.effective_staleness,
                          batch=src.admission.batch_share, framework=topo.agent.framework)
     shell.start_heartbeat()
@@ -234,6 +236,7 @@ def run(topo, replica: int = 0, base=None) -> int:
                     continue
                 traj = src.on_completion(comp, now)
                 if traj is not None:
+                    ledger.write("produced", ids=[traj.traj_id])
                     sender.offer(traj.traj_id, traj, (traj.start_version,))
                     shell.metrics.inc("samples")
                     shell.metrics.inc("tokens", int(traj.loss_mask.sum()))
@@ -259,5 +262,6 @@ def run(topo, replica: int = 0, base=None) -> int:
             shell.metrics.gauge("admission_batch", src.admission.batch)
             poller.poll(POLL_MS if not (src.to_send or sender.pending) else 2)
     finally:
+        ledger.close()
         shell.close()
     return 0

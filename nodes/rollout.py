@@ -28,6 +28,11 @@ def make_engine(topo, worker: str, replica: int, base=None):
     cfg = topo.rollout_engine
     if cfg.kind == "sim":
         return SimRolloutEngine(cfg, worker), lambda version: None
+    if cfg.kind == "vllm":
+        from areal_bus.engines.vllm_engine import engine_from_topology
+
+        # vLLM copies each version into its own parameters and its worker lets the buffer go itself.
+        return engine_from_topology(topo, worker, replica, base), lambda version: None
     from areal_bus.engines.torch_engine import TorchRolloutEngine
     from areal_bus.weights_shm import ShmWeightReader
 
@@ -39,9 +44,24 @@ def make_engine(topo, worker: str, replica: int, base=None):
 
     torch.set_num_threads(topo.model.threads)
     reader = ShmWeightReader(topo.shm_name(base))
+    cuda_reader = None
+
+    def load_weights(location: str):
+        # "cuda:..." when the trainer's writer is on a GPU (CUDA IPC, handles opened once), else shared memory.
+        nonlocal cuda_reader
+        if not location.startswith("cuda:"):
+            return reader.open(location)
+        from areal_bus.weights_cuda import CudaWeightReader, handles_path, load_handles
+
+        path = handles_path(topo.ipc_dir(base), topo.shm_name(base))
+        stamp = path.stat().st_mtime_ns
+        if cuda_reader is None or cuda_reader[0] != stamp:  # a restarted trainer exports new buffers
+            cuda_reader = (stamp, CudaWeightReader(load_handles(path)))
+        return cuda_reader[1].open(location)
+
     engine = TorchRolloutEngine(path, max_batch=cfg.max_batch, max_len=cfg.max_len, device=topo.model.device,
                                 dtype=topo.model.dtype, seed=topo.model.seed * 1000 + replica, worker=worker,
-                                weight_loader=reader.open)
+                                weight_loader=load_weights)
 
     def release_upto(version: int) -> None:
         # The engine copies weights into its own parameters at the swap: older buffers are free now.
@@ -92,11 +112,9 @@ def run(topo, replica: int = 0, base=None) -> int:
     n_gw = topo.replicas("gateway")
     gsocks = []
     for j in range(n_gw):
-        sock = shell.ctx.socket(zmq.DEALER)
-        sock.identity = shell.node_id.encode()
+        sock = open_socket(shell.ctx, zmq.DEALER, shell.endpoint("gwork", j), bind=False, hwm=topo.queue_max_size,
+                           identity=shell.node_id.encode())
         sock.linger = 0
-        sock.sndhwm = sock.rcvhwm = topo.queue_max_size
-        sock.connect(shell.endpoint("gwork", j))
         gsocks.append(sock)
     gw_in = [Receiver(sock, shell.metrics, shell.log) for sock in gsocks]
     gw_out = [ReliableSender(sock, shell.encoder, shell.metrics, f"gw{j}", capacity=topo.rollout_engine.max_batch,
@@ -106,6 +124,7 @@ def run(topo, replica: int = 0, base=None) -> int:
     waiting: list[m.GenerateRequest] = []  # requests whose min_version we do not serve yet
     reply_of: dict[str, int] = {}  # request id -> agent replica that asked (-1 - j: gateway j)
     announced = None
+    serving = ("", engine.version)  # (lineage, version) of the weights this worker decodes with
     shell.announce_start(engine=topo.rollout_engine.kind, max_batch=topo.rollout_engine.max_batch)
     shell.start_heartbeat()
     poller = zmq.Poller()
@@ -115,20 +134,31 @@ def run(topo, replica: int = 0, base=None) -> int:
         poller.register(sock, zmq.POLLIN)
     try:
         while not shell.stopping.is_set():
+            repeated = False
             for _, msg in shell.drain_hub():
-                if isinstance(msg, m.VersionAnnounce) and (announced is None or msg.version > announced.version):
-                    announced = msg
-            # Safe point: between two decode steps.
-            if announced is not None and announced.version > engine.version:
+                if isinstance(msg, m.VersionAnnounce):
+                    repeated = True
+                    if announced is None or (msg.lineage, msg.version) > (announced.lineage, announced.version):
+                        announced = msg
+            # Safe point: between two decode steps. (lineage, version) only goes up; the version alone
+            # goes down when a restarted trainer resumes from its checkpoint as a new lineage.
+            if announced is not None and (announced.lineage, announced.version) > serving:
+                before = engine.version
                 if announced.location:
                     took = engine.swap_weights(announced.version, announced.location)
-                    release_upto(engine.version)
+                    release_upto(max(engine.version, before))
                 else:  # nothing to load (simulated weights, or the checkpoint the worker started from)
                     engine.version, took = announced.version, 0.0
+                serving = (announced.lineage, engine.version)
                 shell.version = engine.version
                 shell.publish(m.TOPIC_VERSION_ACK, m.VersionAck(node_id=shell.node_id, version=engine.version,
-                                                               switch_seconds=took))
+                                                               switch_seconds=took, lineage=serving[0]))
                 shell.metrics.inc("weight_swaps")
+            elif repeated and announced is not None and (announced.lineage, announced.version) == serving:
+                # The broadcaster repeats the current version every heartbeat; answering each time heals
+                # a lost ack and tells a restarted broadcaster what we serve.
+                shell.publish(m.TOPIC_VERSION_ACK, m.VersionAck(node_id=shell.node_id, version=engine.version,
+                                                               lineage=serving[0]))
             for req in [r for r in waiting if r.min_version <= engine.version]:
                 waiting.remove(req)
                 engine.add_request(req)

@@ -4,7 +4,10 @@ serve v", and knows when they all do.
 It receives WeightsReady from the trainer, announces the version on the hub (the bus caches it for late
 joiners, and this node repeats it every heartbeat so a lost announcement heals within half a second),
 and collects VersionAcks from rollout workers: a version is committed once every live worker serves
-it, which is when the buffer of the version before it may be reused. Simulated engines carry no
+it, which is when the buffer of the version before it may be reused. Versions are ordered by
+(lineage, version): a restarted trainer starts a new lineage from its checkpoint, possibly at a lower
+version, and that is announced as newer. A restarted broadcaster announces nothing until the trainer
+tells it the current version (the trainer resends it when it sees the restart). Simulated engines carry no
 weights (location ""); the shared-memory transport arrives with the RL issue.
 
 Run: areal-bus node weights --topology topology/default.yaml
@@ -26,27 +29,32 @@ class VersionBook:
     """Which worker serves which version. Holds no sockets."""
 
     def __init__(self):
-        self.current: m.VersionAnnounce = m.VersionAnnounce(version=0, location="", nbytes=0, published_at=time.time())
-        self.serving: dict[str, int] = {}
-        self.committed = -1
+        self.current: m.VersionAnnounce | None = None  # nothing to announce until the trainer says
+        self.serving: dict[str, tuple[str, int]] = {}  # worker -> (lineage, version) it serves
+        self.committed: tuple[str, int] = ("", -1)
 
-    def publish(self, ready: m.WeightsReady) -> m.VersionAnnounce:
+    def offer(self, ready: m.WeightsReady) -> m.VersionAnnounce | None:
+        """Take a WeightsReady if it is newer than the current version; the announcement, or None."""
+        if self.current is not None and (ready.lineage, ready.version) <= (self.current.lineage, self.current.version):
+            return None
         self.current = m.VersionAnnounce(version=ready.version, location=ready.location, nbytes=ready.nbytes,
-                                         published_at=time.time())
+                                         published_at=time.time(), lineage=ready.lineage)
         return self.current
 
-    def ack(self, node_id: str, version: int) -> None:
-        self.serving[node_id] = max(version, self.serving.get(node_id, -1))
+    def ack(self, node_id: str, version: int, lineage: str = "") -> None:
+        self.serving[node_id] = max((lineage, version), self.serving.get(node_id, ("", -1)))
 
     def newly_committed(self, live_workers: list[str]) -> int | None:
         """The current version, once, when every live worker serves it (at once if none is alive:
         nobody holds an older buffer, and a worker that joins maps the current one)."""
-        v = self.current.version
-        if v <= self.committed:
+        if self.current is None:
             return None
-        if all(self.serving.get(w, -1) >= v for w in live_workers):
-            self.committed = v
-            return v
+        cur = (self.current.lineage, self.current.version)
+        if cur <= self.committed:
+            return None
+        if all(self.serving.get(w, ("", -1)) >= cur for w in live_workers):
+            self.committed = cur
+            return cur[1]
         return None
 
 
@@ -67,16 +75,15 @@ def run(topo, replica: int = 0, base=None) -> int:
         while not shell.stopping.is_set():
             for _, msg in shell.drain_hub():
                 if isinstance(msg, m.VersionAck):
-                    book.ack(msg.node_id, msg.version)
+                    book.ack(msg.node_id, msg.version, msg.lineage)
             for _, msg in inbox.drain():
                 if not isinstance(msg, m.WeightsReady):
                     inbox.drop("wrong_type", type(msg).__name__)
                     continue
-                if msg.version > book.current.version:
-                    book.publish(msg)
+                if book.offer(msg) is not None:
                     last_announce = 0.0
             now = time.monotonic()
-            if now - last_announce >= HEARTBEAT_INTERVAL_S:
+            if book.current is not None and now - last_announce >= HEARTBEAT_INTERVAL_S:
                 shell.publish(m.TOPIC_VERSION, book.current, (book.current.version,))
                 shell.version = book.current.version
                 last_announce = now
@@ -85,7 +92,8 @@ def run(topo, replica: int = 0, base=None) -> int:
             if v is not None:
                 lag = time.time() - book.current.published_at
                 shell.metrics.inc("versions_committed")
-                shell.publish(m.TOPIC_VERSION_COMMITTED, m.VersionCommitted(version=v), (v,))
+                shell.publish(m.TOPIC_VERSION_COMMITTED, m.VersionCommitted(version=v, lineage=book.current.lineage),
+                              (v,))
                 shell.metrics.gauge("commit_latency_s", lag)
                 shell.log.info("committed", version=v, serving=f"{len(workers)}/{len(workers)}",
                                latency_ms=round(lag * 1000, 1))

@@ -171,6 +171,19 @@ def test_a_restarted_trainer_counts_on_from_the_last_totals():
     assert (adm.consumed, adm.returned) == (11, 1)
 
 
+def test_a_trainer_recovered_in_the_same_epoch_counts_nothing_twice_while_it_catches_up():
+    # With a durable spool the restarted trainer keeps the run's epoch, restores its checkpoint's
+    # totals and trains the spooled rest again: its totals climb back to where they were.
+    adm = Admission(staleness=1, batch=4)
+    adm.admit(12)
+    adm.follow(_state(5, 10, {"a:1": [10, 1]}, incarnation="run"), "a:1")
+    adm.follow(_state(3, 6, {"a:1": [6, 0]}, incarnation="run"), "a:1")  # the checkpoint's totals
+    adm.follow(_state(4, 9, {"a:1": [9, 1]}, incarnation="run"), "a:1")  # re-training the spool
+    assert (adm.consumed, adm.returned, adm.admitted) == (10, 1, 11)
+    adm.follow(_state(6, 12, {"a:1": [12, 1]}, incarnation="run"), "a:1")  # past it: counts on
+    assert (adm.consumed, adm.returned) == (12, 1)
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.floats(0.0, 0.6))
 def test_a_run_never_stalls_however_many_run_states_the_hub_loses(seed, loss):

@@ -2,8 +2,9 @@
 
 ``app`` builds the aiohttp application (``make_app``, ``GatewayConfig``, ``start_server``); ``sessions``
 records each session's tokens and ends it into trajectories; ``chat`` renders conversations through
-the policy's chat template; ``backend`` defines where generations come from; ``bus_backend`` gets them
-from rollout workers; ``node`` wires it all to the bus.
+the policy's chat template; ``guard`` holds the input limits and the log redaction; ``backend`` defines
+where generations come from; ``bus_backend`` gets them from rollout workers; ``node`` wires it all to the
+bus; ``standalone`` runs the gateway alone in one process with the policy in it (tests, benchmarks).
 
 Run: areal-bus node gateway --topology topology/default.yaml --replica 0
 """

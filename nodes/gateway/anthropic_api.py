@@ -19,6 +19,7 @@ anyway, and Claude Code only needs the event sequence the SDK's parser accumulat
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
@@ -52,12 +53,15 @@ def error_body(status: int, message: str) -> dict:
 
 
 class AnthropicError(Exception):
-    """A request the gateway answers with an Anthropic error: reply ``body`` (JSON) with ``status``."""
+    """A request the gateway answers with an Anthropic error: reply ``body`` (JSON) with ``status`` and
+    ``headers`` (Retry-After on a 429). ``code`` names the reason in the gateway's rejection counters."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.code = code or error_body(status, "")["error"]["type"]
+        self.headers = headers or {}
         self.body = error_body(status, message)
 
 
@@ -85,9 +89,10 @@ def api_key_from_headers(headers: Mapping[str, str]) -> str:
             401,
             "Claude Code is authenticating with OAuth (a claude.ai login), not an API key: "
             + _KEY_HELP + ", then restart claude (run /logout first if it keeps the login).",
+            "oauth_login",
         )
     if not key:
-        raise AnthropicError(401, "no API key in x-api-key or Authorization: " + _KEY_HELP + ".")
+        raise AnthropicError(401, "no API key in x-api-key or Authorization: " + _KEY_HELP + ".", "invalid_api_key")
     return key
 
 
@@ -97,7 +102,7 @@ def invalid_api_key(key: str) -> AnthropicError:
         why = "the key has leading or trailing whitespace or a newline; strip it"
     else:
         why = _KEY_HELP
-    return AnthropicError(401, f"Invalid API key: {why}.")
+    return AnthropicError(401, f"Invalid API key: {why}.", "invalid_api_key")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -246,11 +251,15 @@ _DROPPED_WHY = {
     "context_management": "the gateway keeps no server-side context",
 }
 _noted: set[str] = set()
+NOTED_MAX = 64
+"""Distinct dropped field names noted per process: a client inventing a new name per request must not
+grow this set (or the log) without bound. Names that are not plain identifiers are never noted."""
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 
 def _note_dropped(fields: list[str]) -> None:
     for name in fields:
-        if name not in _noted:
+        if name not in _noted and len(_noted) < NOTED_MAX and _IDENTIFIER.fullmatch(name):
             _noted.add(name)
             why = _DROPPED_WHY.get(name, "not supported by the gateway")
             log.info("anthropic_field_dropped", field=name, why=why)

@@ -11,12 +11,21 @@ An agent joins training by pointing its SDK at the gateway: ``base_url=http://HO
     GET  /rl/sessions/{id}         admin token or the session key: where the session stands
     POST /rl/sessions/{id}/reward  reward one completion or the whole session (optional discount)
     POST /rl/sessions/{id}/end     end it: its trajectories go to ``emit`` (see sessions.py)
+    GET  /rl/metrics               admin token: the counters (requests, refusals by reason) and gauges
     GET  /health                   liveness, no key needed
 
 Who may call: the admin token works everywhere (chat calls with it are served but not recorded: handy
 for smoke tests); a session key works for chat calls (recorded into its session) and for its own
 session's /rl routes. Policy requests go to ``backend`` (backend.Backend); other models go to
 ``router.chat(model, request)`` when a router is given, else 404 model_not_found.
+
+Limits, each a 4xx in the API's own error shape, counted in ``metrics`` as ``http.rejected.<reason>``:
+the body size (413), JSON nesting (MAX_JSON_DEPTH), open sessions (429), generations pending in the
+backend (``max_pending_requests``: 429 with Retry-After, which the openai and anthropic SDKs honour,
+rather than a queue that grows with the load). A request aiohttp cannot parse as HTTP at all (a bad
+request line or header) is answered by aiohttp itself with a plain-text 400 before any route is known,
+and counted as ``http.rejected.bad_http``. Keys: the admin token and session keys are compared as
+sha256 digests with ``hmac.compare_digest``, and every log line passes through ``RedactingLog``.
 
 Recording never depends on the client: a session turn's generation and its recording run in a task of
 their own, which a disconnect does not cancel (an admin call, with nothing to record, is generated in
@@ -46,15 +55,18 @@ from dataclasses import dataclass
 import numpy as np
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from areal_bus.metrics import Metrics
 from nodes.gateway import anthropic_api
 from nodes.gateway.backend import Backend, SamplingParams
 from nodes.gateway.chat import ChatError, ChatRenderer, canonical, parse_tool_calls
+from nodes.gateway.guard import MAX_JSON_DEPTH, ProtocolLog, RedactingLog, check_json, too_deep
 from nodes.gateway.openai_api import (SSE_DONE, ChatRequest, OpenAIError, completion_response, error_body,
                                       model_card, parse_chat_request, reward_fields, router_error, sse,
                                       stream_chunks, token_logprobs)
-from nodes.gateway.sessions import Choice, Session, SessionStore
+from nodes.gateway.sessions import Choice, Session, SessionStore, key_digest
 
 try:  # optional: a JSON codec several times faster than json's, on every request and response body
     import orjson
@@ -64,6 +76,17 @@ except ImportError:
 EXPIRY_SWEEP_MAX_S = 1.0
 """The idle sweeper runs at least this often (more often for short timeouts: a quarter of the timeout),
 so a session ends within ~1 s of its idle deadline at the cost of one dict scan per second."""
+
+QUEUE_RETRY_AFTER_S = 1
+"""Retry-After for a request refused because ``max_pending_requests`` generations are pending: about
+the time a batch of short completions takes to drain, so a retried request usually finds room."""
+
+MAX_META_BYTES = 16384
+"""Largest session ``meta`` (as JSON): it rides on every trajectory of the session to the trainer, and
+a thousand open sessions must not hold a megabyte each."""
+
+MAX_GROUP_ID_CHARS = 256
+"""Longest session ``group_id`` (the GRPO group the trajectory belongs to)."""
 
 KEY_HELP = ("Check: is the environment variable holding the key set in this shell (echo ${#VAR} prints "
             "its length)? Does the config say ${VAR} rather than a literal? Is there stray whitespace or a "
@@ -91,6 +114,9 @@ class GatewayConfig(BaseModel):
                                            "engine's max_len). None: ask the backend (max_context_tokens).")
     default_max_tokens: int | None = Field(None, ge=1, description="Completion budget when a request names "
                                            "none. None: the rest of the context, as OpenAI's API does.")
+    max_pending_requests: int = Field(2048, ge=1, le=1_000_000, description="Policy generations (choices) "
+                                      "waiting on or running in the backend at most; past it a chat request is a "
+                                      "429 with Retry-After instead of a queue that grows with the load.")
 
     @field_validator("admin_token")
     @classmethod
@@ -127,7 +153,7 @@ class _Out:
 
 class Gateway:
     def __init__(self, cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, emit=None,
-                 admission=None, log=None):
+                 admission=None, log=None, metrics=None):
         self.cfg = cfg
         self.backend = backend
         self.tok = tokenizer
@@ -135,7 +161,11 @@ class Gateway:
         self.router = router
         self.emit = emit
         self.admission = admission
-        self.log = log if log is not None else structlog.get_logger().bind(_tag="gateway")
+        self.log = RedactingLog(log if log is not None else structlog.get_logger().bind(_tag="gateway"),
+                                cfg.admin_token)
+        self.metrics = metrics if metrics is not None else Metrics()
+        self._admin_digest = key_digest(cfg.admin_token)
+        self.pending = 0  # choices handed to the backend and not yet back (max_pending_requests)
         ctx = cfg.max_context_tokens or getattr(backend, "max_context_tokens", None)
         if not ctx:
             raise ValueError("GatewayConfig.max_context_tokens is not set and the backend does not say "
@@ -156,18 +186,31 @@ class Gateway:
         except web.HTTPRequestEntityTooLarge:
             raise OpenAIError(413, f"Request body is larger than the gateway's limit of {self.cfg.max_body_bytes} "
                               f"bytes (max_body_bytes in the gateway config).", code="request_too_large") from None
+        except (HttpProcessingError, web.RequestPayloadError) as exc:  # a body breaking its framing (chunks, gzip)
+            raise OpenAIError(400, f"The request body could not be read ({type(exc).__name__}).",
+                              code="bad_body") from None
+        except (ConnectionError, asyncio.IncompleteReadError):  # the client left mid-body: nobody to answer
+            raise OpenAIError(400, "The request body ended before its length.", code="incomplete_body") from None
         if not raw:
             return None
         if orjson is not None:
             try:
-                return orjson.loads(raw)
+                data = orjson.loads(raw)
             except orjson.JSONDecodeError:  # what json accepts besides (NaN, huge ints) or the error it names
                 pass
+            else:  # orjson's strings are valid UTF-8; only the nesting needs a look, and only when it could be deep
+                if raw.count(b"{") + raw.count(b"[") > MAX_JSON_DEPTH:
+                    check_json(data, strings=False)
+                return data
         try:
-            return json.loads(raw)
+            data = json.loads(raw)
+        except RecursionError:
+            raise too_deep() from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise OpenAIError(400, f"We could not parse the JSON body of your request ({exc}). The body must be "
                               f"a JSON object.", code="invalid_json") from None
+        check_json(data, strings=True)  # json.loads takes "\ud800" (a lone surrogate: no text) where orjson does not
+        return data
 
     def principal(self, request: web.Request, key: str | None = None):
         """ADMIN, a live Session, or a 401 saying what to check. Keys never appear in a message or log."""
@@ -182,7 +225,7 @@ class Gateway:
         if key != key.strip():
             raise OpenAIError(401, "Invalid API key: it has leading or trailing whitespace or a newline; strip it. "
                               + KEY_HELP, code="invalid_api_key")
-        if hmac.compare_digest(key.encode(), self.cfg.admin_token.encode()):
+        if hmac.compare_digest(key_digest(key), self._admin_digest):  # digests: equal lengths, no early exit
             return ADMIN
         session, why = self.store.authenticate(key)
         if session is not None:
@@ -281,7 +324,9 @@ class Gateway:
         except Exception as exc:
             if not hasattr(exc, "status") or not hasattr(exc, "body"):
                 raise
-            raise router_error(model, exc) from None
+            err = router_error(model, exc)
+            err.reason = "upstream"  # the upstream's own code is not ours to count by
+            raise err from None
         if not isinstance(resp, dict) or not resp.get("choices"):
             shown = json.dumps(resp, default=str)[:2000]
             raise OpenAIError(502, f"The upstream for '{model}' returned a response without choices: {shown}",
@@ -321,6 +366,12 @@ class Gateway:
                                 stop_token_ids=tuple(self.renderer.stop_token_ids(stops)))
         parse_tools = bool(tools) and req.tool_choice != "none"
         n = req.n or 1
+        if self.pending and self.pending + n > self.cfg.max_pending_requests:
+            raise OpenAIError(429, f"The gateway has {self.pending} generations pending (max_pending_requests="
+                              f"{self.cfg.max_pending_requests}); retry after {QUEUE_RETRY_AFTER_S} s.",
+                              type="rate_limit_error", code="queue_full",
+                              headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)})
+        self._add_pending(n)
 
         loop = asyncio.get_running_loop()
         result = None
@@ -335,12 +386,21 @@ class Gateway:
         stream = None
         if stream_to is not None:  # headers now; the text follows when the whole completion is back
             stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await stream.prepare(stream_to)
+            try:
+                await stream.prepare(stream_to)
+            except BaseException:  # the client left: an admin call's slot is ours to give back (a session's
+                # task gives back its own)
+                if session is None:
+                    self._add_pending(-n)
+                raise
         try:
             if result is not None:
                 outs, indices = await result
             else:  # nothing to record: generated right here (no task), and a disconnect loses nothing
-                outs, failed = await self._generate("", prompt, params, n, stops, parse_tools)
+                try:
+                    outs, failed = await self._generate("", prompt, params, n, stops, parse_tools)
+                finally:
+                    self._add_pending(-n)
                 if failed is not None:
                     raise failed
                 indices = []
@@ -383,6 +443,10 @@ class Gateway:
             return await self._stream(stream_to, resp, pieces, include_usage, stream), outs
         return resp, outs
 
+    def _add_pending(self, k: int) -> None:
+        self.pending += k
+        self.metrics.gauges["http.pending"] = self.pending
+
     async def _generate(self, sid: str, prompt, params, n: int, stops,
                         parse_tools) -> tuple[list[_Out], BaseException | None]:
         """The choices that came back, post-processed, and the first failure (None if all came back)."""
@@ -420,6 +484,7 @@ class Gateway:
             result.cancel()
             raise
         finally:
+            self._add_pending(-n)
             self.store.finish(session)
             jobs = self.jobs.get(session.id)
             if jobs is not None:
@@ -491,7 +556,7 @@ class Gateway:
                 resp, _ = await self.complete(parse_chat_request(oa), who, t0)
         except OpenAIError as err:
             hint = " (Claude Code: set ANTHROPIC_MODEL to it)" if err.code == "model_not_found" else ""
-            raise anthropic_api.AnthropicError(err.status, err.message + hint) from None
+            raise anthropic_api.AnthropicError(err.status, err.message + hint, _reason(err), err.headers) from None
         if body.get("stream"):
             stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await stream.prepare(request)
@@ -510,9 +575,9 @@ class Gateway:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             n = len(self.renderer.prompt_ids(messages, tools))
         except ChatError as exc:
-            raise anthropic_api.AnthropicError(400, str(exc)) from None
+            raise anthropic_api.AnthropicError(400, str(exc), "invalid_messages") from None
         except OpenAIError as err:
-            raise anthropic_api.AnthropicError(err.status, err.message) from None
+            raise anthropic_api.AnthropicError(err.status, err.message, _reason(err), err.headers) from None
         return json_response(anthropic_api.count_tokens_response(n))
 
     def _anthropic_principal(self, request: web.Request):
@@ -522,7 +587,7 @@ class Gateway:
         except OpenAIError as err:
             if err.code == "invalid_api_key":
                 raise anthropic_api.invalid_api_key(key) from None
-            raise anthropic_api.AnthropicError(err.status, err.message) from None
+            raise anthropic_api.AnthropicError(err.status, err.message, _reason(err)) from None
 
     # -- sessions ---------------------------------------------------------------------------------
 
@@ -536,9 +601,12 @@ class Gateway:
         meta, group_id = body.get("meta", {}), body.get("group_id", "")
         if not isinstance(meta, dict):
             raise OpenAIError(400, "Invalid value for 'meta': must be an object.", param="meta", code="invalid_value")
-        if not isinstance(group_id, str):
-            raise OpenAIError(400, "Invalid value for 'group_id': must be a string.", param="group_id",
-                              code="invalid_value")
+        if not isinstance(group_id, str) or len(group_id) > MAX_GROUP_ID_CHARS:
+            raise OpenAIError(400, f"Invalid value for 'group_id': must be a string of at most {MAX_GROUP_ID_CHARS} "
+                              f"characters.", param="group_id", code="invalid_value")
+        if meta and len(json.dumps(meta)) > MAX_META_BYTES:
+            raise OpenAIError(400, f"Invalid value for 'meta': more than {MAX_META_BYTES} bytes as JSON.",
+                              param="meta", code="invalid_value")
         if len(self.store.sessions) >= self.cfg.max_sessions:  # before admission, which counts the session
             raise OpenAIError(429, f"{len(self.store.sessions)} sessions are open (max_sessions="
                               f"{self.cfg.max_sessions}); end finished sessions, or wait for idle ones to expire "
@@ -592,6 +660,19 @@ class Gateway:
         return json_response({"session_id": session.id, "trajectories": [t.traj_id for t in trajs],
                               "completions": session.completions})
 
+    async def metrics_view(self, request: web.Request) -> web.Response:
+        if self.principal(request) is not ADMIN:
+            raise OpenAIError(403, "The metrics need the admin token, not a session key.", code="forbidden")
+        counters, gauges, _ = self.metrics.snapshot()
+        gauges.update({"sessions.open": len(self.store.sessions), "http.pending": self.pending})
+        return json_response({"counters": counters, "gauges": gauges})
+
+    def count_refusal(self, request: web.Request, status: int, reason: str) -> None:
+        kind = "rejected" if status < 500 else "failed"
+        self.metrics.inc(f"http.{kind}")
+        self.metrics.inc(f"http.{kind}.{reason}")
+        self.log.info("request_refused", route=request.path, status=status, code=reason)
+
     async def health(self, request: web.Request) -> web.Response:
         return json_response({"status": "ok", "sessions": len(self.store.sessions),
                               "policy_model": self.cfg.policy_model})
@@ -624,18 +705,22 @@ async def _write_quietly(stream: web.StreamResponse, data: bytes) -> None:
 
 @web.middleware
 async def _errors(request: web.Request, handler):
-    """Every error in the API's own shape: Anthropic's under /messages, OpenAI's everywhere else."""
+    """Every error in the API's own shape: Anthropic's under /messages, OpenAI's everywhere else; each
+    counted by reason (Gateway.count_refusal)."""
+    gw = request.app[GATEWAY]
+    gw.metrics.inc("http.requests")
     anthropic = request.path.rstrip("/").endswith("/messages") or "/messages/" in request.path
     try:
         return await handler(request)
     except OpenAIError as err:
-        request.app[GATEWAY].log.info("request_refused", route=request.path, status=err.status, code=err.code)
+        gw.count_refusal(request, err.status, _reason(err))
         if anthropic:
-            return json_response(anthropic_api.error_body(err.status, err.message), status=err.status)
+            return json_response(anthropic_api.error_body(err.status, err.message), status=err.status,
+                                 headers=err.headers)
         return json_response(err.body(), status=err.status, headers=err.headers)
     except anthropic_api.AnthropicError as err:
-        request.app[GATEWAY].log.info("request_refused", route=request.path, status=err.status)
-        return json_response(err.body, status=err.status)
+        gw.count_refusal(request, err.status, err.code)
+        return json_response(err.body, status=err.status, headers=err.headers)
     except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
         if exc.status < 400:
             raise
@@ -643,21 +728,32 @@ async def _errors(request: web.Request, handler):
                         "/v1/models, /v1/messages and /rl/sessions (also under /gateway).",
                    405: f"Method {request.method} is not allowed on {request.path}.",
                    413: "Request body too large."}.get(exc.status, exc.reason)
+        code = {404: "unknown_url", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
+        gw.count_refusal(request, exc.status, code or f"http_{exc.status}")
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         if anthropic:
-            return json_response(anthropic_api.error_body(exc.status, message), status=exc.status)
-        return json_response(error_body(message, code={404: "unknown_url", 405: "method_not_allowed",
-                                                       413: "request_too_large"}.get(exc.status)),
-                             status=exc.status)
-    except Exception as exc:  # deliberately tolerated: a bug of ours is a 500 in the API's shape, not a drop
-        request.app[GATEWAY].log.error("internal_error", route=request.path, error=repr(exc))
+            return json_response(anthropic_api.error_body(exc.status, message), status=exc.status, headers=headers)
+        return json_response(error_body(message, code=code), status=exc.status, headers=headers)
+    except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # deliberately tolerated: a bug of ours (or a library's panic, which is no
+        # Exception) is a 500 in the API's shape, not a dropped connection
+        gw.metrics.inc("http.failed")
+        gw.metrics.inc("http.failed.internal_error")
+        gw.log.error("internal_error", route=request.path, error=repr(exc))
         message = f"The gateway failed to handle the request ({type(exc).__name__}: {exc}); see the gateway log."
         if anthropic:
             return json_response(anthropic_api.error_body(500, message), status=500)
         return json_response(error_body(message, "server_error"), status=500)
 
 
+def _reason(err: OpenAIError) -> str:
+    """What a refusal is counted as: the gateway's own error code (a small fixed set), never free text."""
+    return getattr(err, "reason", None) or err.code or f"http_{err.status}"
+
+
 def make_app(cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, emit=None, admission=None,
-             log=None) -> web.Application:
+             log=None, metrics=None) -> web.Application:
     """The gateway as an aiohttp application.
 
     backend: serves the policy (``backend.Backend``). tokenizer: the policy's HF tokenizer (chat
@@ -666,8 +762,10 @@ def make_app(cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, em
     trajectories, called on the event loop's thread (must not block; an exception keeps the trajectory
     for a retry at the next sweep). admission: ``admission() -> (ok, retry_after_s)``, consulted once
     per POST /rl/sessions (ok means the session is admitted: count it then). log: a structlog logger.
+    metrics: an ``areal_bus.metrics.Metrics`` for the gateway's counters (the node's, so that they ride
+    on its heartbeats; a fresh one if None).
     """
-    gw = Gateway(cfg, backend, tokenizer, router=router, emit=emit, admission=admission, log=log)
+    gw = Gateway(cfg, backend, tokenizer, router=router, emit=emit, admission=admission, log=log, metrics=metrics)
     app = web.Application(middlewares=[_errors], client_max_size=cfg.max_body_bytes)
     app[GATEWAY] = gw
     for prefix in ("", "/gateway"):
@@ -680,6 +778,7 @@ def make_app(cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, em
         app.router.add_get(f"{prefix}/rl/sessions/{{sid}}", gw.get_session)
         app.router.add_post(f"{prefix}/rl/sessions/{{sid}}/reward", gw.reward_session)
         app.router.add_post(f"{prefix}/rl/sessions/{{sid}}/end", gw.end)
+        app.router.add_get(f"{prefix}/rl/metrics", gw.metrics_view)
         app.router.add_get(f"{prefix}/health", gw.health)
     app.on_startup.append(gw.on_startup)
     app.on_shutdown.append(gw.on_shutdown)
@@ -689,7 +788,8 @@ def make_app(cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, em
 async def start_server(app: web.Application, cfg: GatewayConfig) -> web.AppRunner:
     """Listen on cfg.host:cfg.port (``bound_port(runner)`` says which, for port 0). GatewayStartError
     with what to do if the port is taken or the address is wrong."""
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    gw = app[GATEWAY]
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, logger=ProtocolLog(gw.metrics, gw.log))
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     try:

@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from areal_bus import messages as m
 from areal_bus.codec import DecodeError, Encoder, decode
+from areal_bus.security import secure
 from nodes.gateway.backend import SamplingParams
 
 REQUEST_DEADLINE_S = 120.0
@@ -41,6 +42,7 @@ class BusBackend:
         self.sock = self.actx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown worker raises instead of dropping
         self.sock.linger = 0
+        secure(ctx, self.sock, bind=True)  # CURVE server when the run uses it (the shadow has no keys)
         self.sock.bind(endpoint)
         self.encoder = encoder
         self.metrics = metrics
@@ -97,10 +99,15 @@ class BusBackend:
             return
         raise NoWorker("no rollout worker is reachable")
 
-    # -- the Backend protocol ----------------------------------------------------------------------
-    async def generate(self, session_id: str, prompt_ids: np.ndarray, params: SamplingParams) -> m.Completion:
+    def start(self) -> None:
+        """Read gwork from now on, not from the first request: a frame that arrives earlier (a stray
+        reply, junk) is taken and counted instead of waiting unseen in the socket."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    # -- the Backend protocol ----------------------------------------------------------------------
+    async def generate(self, session_id: str, prompt_ids: np.ndarray, params: SamplingParams) -> m.Completion:
+        self.start()
         waited = 0.0
         while not self.live:
             if waited >= NO_WORKER_WAIT_S:

@@ -121,8 +121,12 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
 
 
 RENDER_CACHE_SIZE = 4096
-"""Rendered prompts kept (LRU): a few MB at most, enough for every distinct first prompt and
-environment reply of a run's recent episodes."""
+"""Rendered prompts kept (LRU): enough for every distinct first prompt and environment reply of a
+run's recent episodes."""
+
+RENDER_CACHE_BYTES = 32 << 20
+"""...and at most this many bytes of keys and ids: the count alone would let 4,096 near-limit bodies
+(1 MB each) hold 4 GB. An entry larger than a sixteenth of it is rendered but not kept."""
 
 
 class ChatRenderer:
@@ -130,6 +134,7 @@ class ChatRenderer:
 
     def __init__(self, tokenizer):
         self._render_cache: collections.OrderedDict = collections.OrderedDict()
+        self._cache_bytes = 0
         self.tok = tokenizer
         if tokenizer.eos_token is None or tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos token; the gateway needs it to close assistant turns")
@@ -235,12 +240,17 @@ class ChatRenderer:
         except (TypeError, ValueError):  # not JSON-able: render uncached
             return render(messages, tools)
         hit = self._render_cache.get(key)
-        if hit is None:
-            hit = self._render_cache[key] = render(messages, tools)
-            if len(self._render_cache) > RENDER_CACHE_SIZE:
-                self._render_cache.popitem(last=False)
-        else:
+        if hit is not None:
             self._render_cache.move_to_end(key)
+            return hit
+        hit = render(messages, tools)
+        size = _entry_bytes(key, hit)
+        if size <= RENDER_CACHE_BYTES // 16:
+            self._render_cache[key] = hit
+            self._cache_bytes += size
+            while len(self._render_cache) > RENDER_CACHE_SIZE or self._cache_bytes > RENDER_CACHE_BYTES:
+                old_key, old_ids = self._render_cache.popitem(last=False)
+                self._cache_bytes -= _entry_bytes(old_key, old_ids)
         return hit
 
     def apply_stop(self, ids, stops: list[str]) -> tuple[int, str, bool]:
@@ -291,6 +301,11 @@ class ChatRenderer:
         if "".join(out) != content:  # the text was reshaped (tool calls taken out): one delta
             return [content] if content else []
         return out
+
+
+def _entry_bytes(key: tuple, ids: tuple) -> int:
+    """About what a render-cache entry holds: its key's JSON, and per id a tuple slot and an int object."""
+    return len(key[1]) + len(key[2]) + 40 * len(ids) + 200
 
 
 def _key(obj):

@@ -21,6 +21,7 @@ import zmq
 from areal_bus import messages as m
 from areal_bus.admission import Admission
 from areal_bus.channels import ReliableSender, open_socket
+from areal_bus.ledger import Ledger, ledger_path
 from areal_bus.node import NodeShell
 from nodes.gateway.app import GatewayConfig, make_app, start_server
 from nodes.gateway.bus_backend import BusBackend
@@ -67,6 +68,7 @@ def run(topo, replica: int = 0, base=None) -> int:
                             shell.encoder, shell.metrics, "out", capacity=topo.queue_max_size)
     admission = _admission(topo, replica)
     source = f"{shell.node_id}:{shell.incarnation}"  # names our sessions in the trainer's totals
+    ledger = Ledger(ledger_path(shell.log_dir, shell.node_id))  # what we produced, for the audit
 
     def admit() -> tuple[bool, float]:
         if admission.capacity(shell.version) > 0:
@@ -79,6 +81,7 @@ def run(topo, replica: int = 0, base=None) -> int:
         if traj.traj_id != traj.episode_id:  # a session's extra branch (n > 1, rewritten history): one more sample
             admission.admit(1)
         traj.source = source
+        ledger.write("produced", ids=[traj.traj_id])
         sender.offer(traj.traj_id, traj, (traj.start_version,))
         shell.metrics.inc("samples")
         shell.metrics.inc("tokens", int(traj.loss_mask.sum()))
@@ -98,8 +101,10 @@ def run(topo, replica: int = 0, base=None) -> int:
         shell.metrics.gauge("capacity", admission.capacity(shell.version))
 
     async def main() -> None:
-        app = make_app(cfg, backend, tokenizer, router=router, emit=emit, admission=admit, log=shell.log)
+        app = make_app(cfg, backend, tokenizer, router=router, emit=emit, admission=admit, log=shell.log,
+                       metrics=shell.metrics)
         runner = await start_server(app, cfg)
+        backend.start()
         shell.announce_start(host=cfg.host, port=cfg.port, policy_model=cfg.policy_model,
                              router=router_path or "-")
         shell.start_heartbeat()
@@ -125,5 +130,6 @@ def run(topo, replica: int = 0, base=None) -> int:
         uvloop.run(main())
     finally:
         backend.close()
+        ledger.close()
         shell.close()
     return 0

@@ -30,6 +30,7 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
+        self.reason: str | None = None  # counted as, when not ``code`` (an upstream's code is not ours)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -194,7 +195,11 @@ def reward_fields(body, session_id: str) -> tuple[float, int | None, float | Non
     elif index is not None and (isinstance(index, bool) or not isinstance(index, int)):
         raise OpenAIError(400, "Invalid 'completion_index': an integer.", param="completion_index",
                           code="invalid_value")
-    return float(value), index, None if discount is None else float(discount)
+    try:
+        return float(value), index, None if discount is None else float(discount)
+    except OverflowError:  # an integer past float's range (JSON allows any size)
+        raise OpenAIError(400, "Invalid 'reward' or 'discount': a number within float range.", param="reward",
+                          code="invalid_value") from None
 
 
 def router_error(model: str, exc) -> OpenAIError:

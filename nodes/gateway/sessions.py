@@ -27,8 +27,10 @@ returns G_t = r_t + g * G_{t+1}; the trajectory's reward is G_0 and the per-turn
 ``meta["turn_returns"]``. With no reward given at all the trajectory's reward is None, and the reward
 node scores it.
 
-Keys: ``<session id>.<secret>``; only sha256(secret) is stored and compared with
-``hmac.compare_digest``.
+Keys: ``<session id>.<secret>`` (a selector and a verifier). The session id is not secret (it is in
+URLs, logs and response ids), so finding the session by it leaks nothing; only sha256(secret) is
+stored, and it is compared with ``hmac.compare_digest`` on digests of equal length, so the time a
+check takes says nothing about how much of a guessed secret was right. A leaked store holds no key.
 """
 
 from __future__ import annotations
@@ -114,8 +116,11 @@ class Session:
     ended: bool = False
 
 
-def _hash(secret: str) -> bytes:
-    return hashlib.sha256(secret.encode()).digest()
+def key_digest(secret: str) -> bytes:
+    """sha256 of a key as it came off the wire. surrogateescape: a header with bytes that are not UTF-8
+    (aiohttp decodes them as lone surrogates) hashes to a digest that matches nothing, not an error."""
+    return hashlib.sha256(secret.encode("utf-8", "surrogateescape")).digest()
+
 
 
 class SessionStore:
@@ -140,7 +145,7 @@ class SessionStore:
         now = self.clock()
         if ticket is None:
             ticket, self._tickets = self._tickets, self._tickets + 1
-        session = Session(sid, _hash(secret), now, now, ticket, group_id, dict(meta or {}))
+        session = Session(sid, key_digest(secret), now, now, ticket, group_id, dict(meta or {}))
         self.sessions[sid] = session
         return session, f"{sid}.{secret}"
 
@@ -150,7 +155,7 @@ class SessionStore:
         sid, dot, secret = key.rpartition(".")
         if not dot:
             return None, "invalid"
-        digest = _hash(secret)
+        digest = key_digest(secret)
         session = self.sessions.get(sid)
         if session is not None and hmac.compare_digest(digest, session.key_hash):
             return (session, "") if not session.closing else (None, "ended")
