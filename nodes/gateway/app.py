@@ -32,6 +32,10 @@ their own, which a disconnect does not cancel (an admin call, with nothing to re
 its handler). Sessions idle longer than ``session_idle_timeout_s`` are
 ended by a sweeper; at shutdown every open session is ended (``end_reason`` "shutdown") and emitted.
 
+Here: the config, the Gateway (keys, chat and model routes, session lifecycle) and ``make_app``. The /rl
+routes and /health are ``rl_routes.RLRoutes``, a mixin of Gateway; the HTTP plumbing (``json_response``,
+the error middleware, ``start_server``) is in ``server``, its public names re-exported here.
+
 Build and serve (the gateway node's ``run`` does this with the bus backend)::
 
     app = make_app(GatewayConfig(admin_token=..., max_context_tokens=1024), backend, tokenizer, emit=send)
@@ -42,12 +46,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import errno
 import functools
 import hmac
 import itertools
 import json
-import math
 import secrets
 import time
 from dataclasses import dataclass
@@ -62,10 +64,12 @@ from areal_bus.metrics import Metrics
 from nodes.gateway import anthropic_api
 from nodes.gateway.backend import Backend, SamplingParams
 from nodes.gateway.chat import ChatError, ChatRenderer, canonical, parse_tool_calls
-from nodes.gateway.guard import MAX_JSON_DEPTH, ProtocolLog, RedactingLog, check_json, too_deep
-from nodes.gateway.openai_api import (SSE_DONE, ChatRequest, OpenAIError, completion_response, error_body,
-                                      model_card, parse_chat_request, reward_fields, router_error, sse,
-                                      stream_chunks, token_logprobs)
+from nodes.gateway.guard import MAX_JSON_DEPTH, RedactingLog, check_json, too_deep
+from nodes.gateway.openai_api import (SSE_DONE, ChatRequest, OpenAIError, completion_response, model_card,
+                                      parse_chat_request, router_error, sse, stream_chunks, token_logprobs)
+from nodes.gateway.rl_routes import RLRoutes
+from nodes.gateway.server import ADMIN, GATEWAY, _errors, _reason, _write_quietly, json_response
+from nodes.gateway.server import GatewayStartError, bound_port, start_server  # noqa: F401 (re-exported)
 from nodes.gateway.sessions import Choice, Session, SessionStore, key_digest
 
 try:  # optional: a JSON codec several times faster than json's, on every request and response body
@@ -80,13 +84,6 @@ so a session ends within ~1 s of its idle deadline at the cost of one dict scan 
 QUEUE_RETRY_AFTER_S = 1
 """Retry-After for a request refused because ``max_pending_requests`` generations are pending: about
 the time a batch of short completions takes to drain, so a retried request usually finds room."""
-
-MAX_META_BYTES = 16384
-"""Largest session ``meta`` (as JSON): it rides on every trajectory of the session to the trainer, and
-a thousand open sessions must not hold a megabyte each."""
-
-MAX_GROUP_ID_CHARS = 256
-"""Longest session ``group_id`` (the GRPO group the trajectory belongs to)."""
 
 KEY_HELP = ("Check: is the environment variable holding the key set in this shell (echo ${#VAR} prints "
             "its length)? Does the config say ${VAR} rather than a literal? Is there stray whitespace or a "
@@ -129,18 +126,8 @@ class GatewayConfig(BaseModel):
         return v
 
 
-class GatewayStartError(RuntimeError):
-    """The server could not start listening; the message says why and what to do."""
-
-
-GATEWAY = web.AppKey("gateway", object)
-"""``app[GATEWAY]``: the Gateway behind an application (its store, backend and renderer)."""
-
 _ENDED_WHY = {"idle": "idle for longer than session_idle_timeout_s", "ended": "ended by POST /rl/sessions/{id}/end",
               "shutdown": "the gateway shut down"}
-
-ADMIN = object()
-"""The principal of a request made with the admin token."""
 
 
 @dataclass(slots=True)
@@ -151,7 +138,7 @@ class _Out:
     finish_reason: str
 
 
-class Gateway:
+class Gateway(RLRoutes):
     def __init__(self, cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, emit=None,
                  admission=None, log=None, metrics=None):
         self.cfg = cfg
@@ -237,19 +224,11 @@ class Gateway:
         literal = " The key is the literal text '${...}': it was never expanded." if key.startswith("${") else ""
         raise OpenAIError(401, f"Invalid API key.{literal} " + KEY_HELP, code="invalid_api_key")
 
-    def _session_for(self, request: web.Request) -> Session:
-        """The session named in the path, for the admin or that session's own key."""
-        who = self.principal(request)
-        sid = request.match_info["sid"]
-        session = self.store.get(sid)
-        if who is not ADMIN and (session is None or who is not session):
-            raise OpenAIError(403, f"This key does not belong to session {sid}.", code="forbidden")
-        if session is None:
-            gone = self.store.ended.get(sid)
-            raise OpenAIError(404 if gone is None else 409,
-                              f"No open session {sid}" + (f" (it ended: {gone[1]})." if gone else "."),
-                              code="session_not_found" if gone is None else "session_ended")
-        return session
+    def count_refusal(self, request: web.Request, status: int, reason: str) -> None:
+        kind = "rejected" if status < 500 else "failed"
+        self.metrics.inc(f"http.{kind}")
+        self.metrics.inc(f"http.{kind}.{reason}")
+        self.log.info("request_refused", route=request.path, status=status, code=reason)
 
     def _emit(self, trajectories) -> None:
         pending, self.unemitted = [*self.unemitted, *trajectories], []
@@ -589,167 +568,9 @@ class Gateway:
                 raise anthropic_api.invalid_api_key(key) from None
             raise anthropic_api.AnthropicError(err.status, err.message, _reason(err)) from None
 
-    # -- sessions ---------------------------------------------------------------------------------
-
-    async def create_session(self, request: web.Request) -> web.Response:
-        if self.principal(request) is not ADMIN:
-            raise OpenAIError(403, "Opening a session needs the admin token ($AREAL_BUS_ADMIN_TOKEN), not a "
-                              "session key.", code="forbidden")
-        body = await self.read_json(request) or {}
-        if not isinstance(body, dict):
-            raise OpenAIError(400, "The body must be a JSON object (or empty).", code="invalid_body")
-        meta, group_id = body.get("meta", {}), body.get("group_id", "")
-        if not isinstance(meta, dict):
-            raise OpenAIError(400, "Invalid value for 'meta': must be an object.", param="meta", code="invalid_value")
-        if not isinstance(group_id, str) or len(group_id) > MAX_GROUP_ID_CHARS:
-            raise OpenAIError(400, f"Invalid value for 'group_id': must be a string of at most {MAX_GROUP_ID_CHARS} "
-                              f"characters.", param="group_id", code="invalid_value")
-        if meta and len(json.dumps(meta)) > MAX_META_BYTES:
-            raise OpenAIError(400, f"Invalid value for 'meta': more than {MAX_META_BYTES} bytes as JSON.",
-                              param="meta", code="invalid_value")
-        if len(self.store.sessions) >= self.cfg.max_sessions:  # before admission, which counts the session
-            raise OpenAIError(429, f"{len(self.store.sessions)} sessions are open (max_sessions="
-                              f"{self.cfg.max_sessions}); end finished sessions, or wait for idle ones to expire "
-                              f"(after {self.cfg.session_idle_timeout_s:g} s).", type="rate_limit_error",
-                              code="too_many_sessions", headers={"Retry-After": "1"})
-        if self.admission is not None:
-            ok, retry_after = self.admission()
-            if not ok:
-                wait = max(0.0, float(retry_after))
-                raise OpenAIError(429, f"Not admitting new sessions: rollout is as far ahead of training as "
-                                  f"staleness_threshold allows. Retry after {wait:.1f} s.", type="rate_limit_error",
-                                  code="staleness_limit",
-                                  headers={"Retry-After": str(max(1, math.ceil(wait))),
-                                           "retry-after-ms": str(int(wait * 1000))})
-        session, key = self.store.create(meta=meta, group_id=group_id)
-        self.log.info("session_opened", session=session.id, open=len(self.store.sessions))
-        return json_response({"session_id": session.id, "api_key": key, "model": self.cfg.policy_model,
-                              "idle_timeout_s": self.cfg.session_idle_timeout_s}, status=201)
-
-    async def get_session(self, request: web.Request) -> web.Response:
-        s = self._session_for(request)
-        return json_response({
-            "session_id": s.id, "completions": s.completions, "branches": len(s.branches),
-            "segments": s.segments, "inflight": s.inflight,
-            "idle_s": round(self.store.clock() - s.last_active, 3), "reward": s.outcome,
-            "completion_rewards": {str(k): v for k, v in s.rewards.items()}, "discount": s.discount})
-
-    async def reward_session(self, request: web.Request) -> web.Response:
-        session = self._session_for(request)
-        value, index = self._reward(session, await self.read_json(request))
-        return json_response({"session_id": session.id, "completion_index": index, "reward": value,
-                              "discount": session.discount})
-
-    def _reward(self, session: Session, body) -> tuple[float, int | None]:
-        """Record a reward given in a request body, with the client errors it can raise."""
-        value, index, discount = reward_fields(body, session.id)
-        try:
-            self.store.reward(session, value, index, discount)
-        except KeyError as exc:
-            raise OpenAIError(404, exc.args[0], param="completion_index", code="completion_not_found") from None
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc), code="invalid_value") from None
-        return value, index
-
-    async def end(self, request: web.Request) -> web.Response:
-        session = self._session_for(request)
-        body = await self.read_json(request)
-        if body:  # optional: a last reward ({"reward": ..., "completion_index"?: ..., "discount"?: ...})
-            self._reward(session, body)
-        trajs = await self.end_session(session, "ended")
-        return json_response({"session_id": session.id, "trajectories": [t.traj_id for t in trajs],
-                              "completions": session.completions})
-
-    async def metrics_view(self, request: web.Request) -> web.Response:
-        if self.principal(request) is not ADMIN:
-            raise OpenAIError(403, "The metrics need the admin token, not a session key.", code="forbidden")
-        counters, gauges, _ = self.metrics.snapshot()
-        gauges.update({"sessions.open": len(self.store.sessions), "http.pending": self.pending})
-        return json_response({"counters": counters, "gauges": gauges})
-
-    def count_refusal(self, request: web.Request, status: int, reason: str) -> None:
-        kind = "rejected" if status < 500 else "failed"
-        self.metrics.inc(f"http.{kind}")
-        self.metrics.inc(f"http.{kind}.{reason}")
-        self.log.info("request_refused", route=request.path, status=status, code=reason)
-
-    async def health(self, request: web.Request) -> web.Response:
-        return json_response({"status": "ok", "sessions": len(self.store.sessions),
-                              "policy_model": self.cfg.policy_model})
-
-
-def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
-    """web.json_response, with orjson when it is installed and can encode ``data`` (json otherwise)."""
-    if orjson is not None:
-        try:
-            body = orjson.dumps(data)
-        except TypeError:  # a type orjson does not encode (numpy scalar, non-str key): json's rules
-            body = json.dumps(data).encode()
-    else:
-        body = json.dumps(data).encode()
-    return web.Response(body=body, status=status, headers=headers, content_type="application/json", charset="utf-8")
-
 
 def _closed(comp, eos_id: int) -> bool:
     return comp.output_ids.size > 0 and int(comp.output_ids[-1]) == eos_id
-
-
-async def _write_quietly(stream: web.StreamResponse, data: bytes) -> None:
-    """Write the rest of a stream; a client that left is not an error (what it asked for is recorded)."""
-    try:
-        await stream.write(data)
-        await stream.write_eof()
-    except (ConnectionError, RuntimeError):
-        pass
-
-
-@web.middleware
-async def _errors(request: web.Request, handler):
-    """Every error in the API's own shape: Anthropic's under /messages, OpenAI's everywhere else; each
-    counted by reason (Gateway.count_refusal)."""
-    gw = request.app[GATEWAY]
-    gw.metrics.inc("http.requests")
-    anthropic = request.path.rstrip("/").endswith("/messages") or "/messages/" in request.path
-    try:
-        return await handler(request)
-    except OpenAIError as err:
-        gw.count_refusal(request, err.status, _reason(err))
-        if anthropic:
-            return json_response(anthropic_api.error_body(err.status, err.message), status=err.status,
-                                 headers=err.headers)
-        return json_response(err.body(), status=err.status, headers=err.headers)
-    except anthropic_api.AnthropicError as err:
-        gw.count_refusal(request, err.status, err.code)
-        return json_response(err.body, status=err.status, headers=err.headers)
-    except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
-        if exc.status < 400:
-            raise
-        message = {404: f"Unknown route {request.method} {request.path}. The gateway serves /v1/chat/completions, "
-                        "/v1/models, /v1/messages and /rl/sessions (also under /gateway).",
-                   405: f"Method {request.method} is not allowed on {request.path}.",
-                   413: "Request body too large."}.get(exc.status, exc.reason)
-        code = {404: "unknown_url", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
-        gw.count_refusal(request, exc.status, code or f"http_{exc.status}")
-        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        if anthropic:
-            return json_response(anthropic_api.error_body(exc.status, message), status=exc.status, headers=headers)
-        return json_response(error_body(message, code=code), status=exc.status, headers=headers)
-    except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:  # deliberately tolerated: a bug of ours (or a library's panic, which is no
-        # Exception) is a 500 in the API's shape, not a dropped connection
-        gw.metrics.inc("http.failed")
-        gw.metrics.inc("http.failed.internal_error")
-        gw.log.error("internal_error", route=request.path, error=repr(exc))
-        message = f"The gateway failed to handle the request ({type(exc).__name__}: {exc}); see the gateway log."
-        if anthropic:
-            return json_response(anthropic_api.error_body(500, message), status=500)
-        return json_response(error_body(message, "server_error"), status=500)
-
-
-def _reason(err: OpenAIError) -> str:
-    """What a refusal is counted as: the gateway's own error code (a small fixed set), never free text."""
-    return getattr(err, "reason", None) or err.code or f"http_{err.status}"
 
 
 def make_app(cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, emit=None, admission=None,
@@ -783,26 +604,3 @@ def make_app(cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, em
     app.on_startup.append(gw.on_startup)
     app.on_shutdown.append(gw.on_shutdown)
     return app
-
-
-async def start_server(app: web.Application, cfg: GatewayConfig) -> web.AppRunner:
-    """Listen on cfg.host:cfg.port (``bound_port(runner)`` says which, for port 0). GatewayStartError
-    with what to do if the port is taken or the address is wrong."""
-    gw = app[GATEWAY]
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, logger=ProtocolLog(gw.metrics, gw.log))
-    await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port)
-    try:
-        await site.start()
-    except OSError as exc:
-        await runner.cleanup()
-        if exc.errno == errno.EADDRINUSE:
-            raise GatewayStartError(f"gateway cannot listen on {cfg.host}:{cfg.port}: the port is in use (another "
-                                    f"gateway still running? `ss -ltnp | grep :{cfg.port}` shows who); stop it or "
-                                    f"set nodes.gateway.config.port") from None
-        raise GatewayStartError(f"gateway cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}") from None
-    return runner
-
-
-def bound_port(runner: web.AppRunner) -> int:
-    return runner.addresses[0][1]

@@ -1,0 +1,137 @@
+"""The gateway's HTTP plumbing: JSON responses, the error middleware, and binding the server to its port.
+
+``app`` (the Gateway and its routes) and ``rl_routes`` build on what is here; ``app`` re-exports the
+public names (``json_response``, ``start_server``, ``bound_port``, ``GatewayStartError``, ``GATEWAY``), so
+callers import them from ``nodes.gateway.app`` as before. This module never imports ``app``: the
+middleware reaches the Gateway through ``request.app[GATEWAY]`` (its ``metrics``, ``log`` and
+``count_refusal``).
+
+    app = make_app(cfg, backend, tokenizer)           # nodes.gateway.app; installs the _errors middleware
+    runner = await start_server(app, cfg)             # binds host:port; GatewayStartError if it cannot
+    port = bound_port(runner)                         # the port picked, when cfg.port is 0
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from nodes.gateway import anthropic_api
+from nodes.gateway.guard import ProtocolLog
+from nodes.gateway.openai_api import OpenAIError, error_body
+
+if TYPE_CHECKING:
+    from nodes.gateway.app import GatewayConfig
+
+try:  # optional: a JSON codec several times faster than json's, on every response body
+    import orjson
+except ImportError:
+    orjson = None
+
+
+class GatewayStartError(RuntimeError):
+    """The server could not start listening; the message says why and what to do."""
+
+
+GATEWAY = web.AppKey("gateway", object)
+"""``app[GATEWAY]``: the Gateway behind an application (its store, backend and renderer)."""
+
+ADMIN = object()
+"""The principal of a request made with the admin token."""
+
+
+def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
+    """web.json_response, with orjson when it is installed and can encode ``data`` (json otherwise)."""
+    if orjson is not None:
+        try:
+            body = orjson.dumps(data)
+        except TypeError:  # a type orjson does not encode (numpy scalar, non-str key): json's rules
+            body = json.dumps(data).encode()
+    else:
+        body = json.dumps(data).encode()
+    return web.Response(body=body, status=status, headers=headers, content_type="application/json", charset="utf-8")
+
+
+async def _write_quietly(stream: web.StreamResponse, data: bytes) -> None:
+    """Write the rest of a stream; a client that left is not an error (what it asked for is recorded)."""
+    try:
+        await stream.write(data)
+        await stream.write_eof()
+    except (ConnectionError, RuntimeError):
+        pass
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """Every error in the API's own shape: Anthropic's under /messages, OpenAI's everywhere else; each
+    counted by reason (Gateway.count_refusal)."""
+    gw = request.app[GATEWAY]
+    gw.metrics.inc("http.requests")
+    anthropic = request.path.rstrip("/").endswith("/messages") or "/messages/" in request.path
+    try:
+        return await handler(request)
+    except OpenAIError as err:
+        gw.count_refusal(request, err.status, _reason(err))
+        if anthropic:
+            return json_response(anthropic_api.error_body(err.status, err.message), status=err.status,
+                                 headers=err.headers)
+        return json_response(err.body(), status=err.status, headers=err.headers)
+    except anthropic_api.AnthropicError as err:
+        gw.count_refusal(request, err.status, err.code)
+        return json_response(err.body, status=err.status, headers=err.headers)
+    except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
+        if exc.status < 400:
+            raise
+        message = {404: f"Unknown route {request.method} {request.path}. The gateway serves /v1/chat/completions, "
+                        "/v1/models, /v1/messages and /rl/sessions (also under /gateway).",
+                   405: f"Method {request.method} is not allowed on {request.path}.",
+                   413: "Request body too large."}.get(exc.status, exc.reason)
+        code = {404: "unknown_url", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
+        gw.count_refusal(request, exc.status, code or f"http_{exc.status}")
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        if anthropic:
+            return json_response(anthropic_api.error_body(exc.status, message), status=exc.status, headers=headers)
+        return json_response(error_body(message, code=code), status=exc.status, headers=headers)
+    except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # deliberately tolerated: a bug of ours (or a library's panic, which is no
+        # Exception) is a 500 in the API's shape, not a dropped connection
+        gw.metrics.inc("http.failed")
+        gw.metrics.inc("http.failed.internal_error")
+        gw.log.error("internal_error", route=request.path, error=repr(exc))
+        message = f"The gateway failed to handle the request ({type(exc).__name__}: {exc}); see the gateway log."
+        if anthropic:
+            return json_response(anthropic_api.error_body(500, message), status=500)
+        return json_response(error_body(message, "server_error"), status=500)
+
+
+def _reason(err: OpenAIError) -> str:
+    """What a refusal is counted as: the gateway's own error code (a small fixed set), never free text."""
+    return getattr(err, "reason", None) or err.code or f"http_{err.status}"
+
+
+async def start_server(app: web.Application, cfg: GatewayConfig) -> web.AppRunner:
+    """Listen on cfg.host:cfg.port (``bound_port(runner)`` says which, for port 0). GatewayStartError
+    with what to do if the port is taken or the address is wrong."""
+    gw = app[GATEWAY]
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, logger=ProtocolLog(gw.metrics, gw.log))
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        if exc.errno == errno.EADDRINUSE:
+            raise GatewayStartError(f"gateway cannot listen on {cfg.host}:{cfg.port}: the port is in use (another "
+                                    f"gateway still running? `ss -ltnp | grep :{cfg.port}` shows who); stop it or "
+                                    f"set nodes.gateway.config.port") from None
+        raise GatewayStartError(f"gateway cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}") from None
+    return runner
+
+
+def bound_port(runner: web.AppRunner) -> int:
+    return runner.addresses[0][1]
