@@ -1,4 +1,5 @@
-"""Data parallelism over gloo: two ranks (this process and a child) produce exactly the update one
+"""Data parallelism as the trainer node runs it (train_workers: 2 alone means dp=2, FSDP2 over gloo):
+two ranks (this process and a child started by ``torch_parallel.start``) produce the update one
 process makes on the same batch."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import json
 import pytest
 import torch
 
-from areal_bus.engines.torch_dp import DataParallel
+from areal_bus.engines import torch_parallel
 from areal_bus.engines.torch_train import TorchTrainEngine
 from areal_bus.topology import dump_resolved
 from tests.test_torch_train import _episodes, _topo
@@ -23,12 +24,12 @@ def test_two_gloo_ranks_match_one_process(model_dir, tmp_path, one_torch_thread)
     topo = _topo(model_dir, train_workers=2)
     resolved = tmp_path / "topo.json"
     resolved.write_text(json.dumps(dump_resolved(topo)))
-    dp = DataParallel.launch(2, str(resolved), str(model_dir))
+    parallel = torch_parallel.start(topo, resolved, model_dir)
     try:
-        parallel = TorchTrainEngine(topo, model_dir, dp=dp)
         p_stats = parallel.train(trajs, version=0)
+        p_weights = parallel.state_dict()  # gathered from the shards (rank 0)
     finally:
-        dp.close()
+        parallel.dp.close()
     assert p_stats["loss"] == pytest.approx(s_stats["loss"], abs=1e-5)
-    for (name, a), b in zip(single.model.state_dict().items(), parallel.model.state_dict().values()):
-        assert torch.allclose(a, b, atol=1e-5), name
+    for name, a in single.model.state_dict().items():
+        assert torch.allclose(a, p_weights[name], atol=1e-5), name

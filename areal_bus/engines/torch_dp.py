@@ -1,23 +1,22 @@
-"""Data-parallel training over torch.distributed (gloo on CPU, NCCL on GPUs) for train_workers > 1.
+"""The ranks of a multi-process trainer (train_workers > 1) over torch.distributed (gloo on CPU, NCCL
+on GPUs): starting them, and rank 0's commands to them.
 
 The trainer node is rank 0: it alone talks to the bus. It starts ranks 1..world-1 as child processes
-(``python -m areal_bus.engines.torch_dp``; supervisord's stopasgroup/killasgroup stop them with it),
-and before each update broadcasts the padded batch to them as plain tensors (no pickling). Every rank
-then runs ``TorchTrainEngine.update`` on its own rows of each mini-batch and all-reduces gradients, so
-every rank takes the same optimizer step and holds the same weights; rank 0 exports them.
+(``python -m areal_bus.engines.torch_parallel``; supervisord's stopasgroup/killasgroup stop them with
+it), and before each update broadcasts the padded batch to them as plain tensors (no pickling). What
+each rank does with it (its share of every mini-batch, FSDP2 / tensor-parallel collectives) is
+``torch_parallel``'s.
 
 A rank whose parent (rank 0) dies exits on its own: it would otherwise wait in a collective forever.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import torch
@@ -46,7 +45,7 @@ class DataParallel:
 
     @classmethod
     def launch(cls, world: int, topology_path: str, model_path: str, backend: str = "gloo",
-               module: str = "areal_bus.engines.torch_dp") -> DataParallel:
+               module: str = "areal_bus.engines.torch_parallel") -> DataParallel:
         """Rank 0: start ranks 1..world-1 (``python -m module``) and join them."""
         init = f"tcp://127.0.0.1:{_free_port()}"
         children = [subprocess.Popen([sys.executable, "-m", module, "--topology", topology_path,
@@ -64,10 +63,6 @@ class DataParallel:
         for name, dtype in _TENSORS:
             dist.broadcast(data[name].to(dtype).contiguous(), src=0)
 
-    def receive(self) -> dict[str, torch.Tensor] | None:
-        """Ranks > 0: the next batch, or None when rank 0 says stop."""
-        return self.receive_command()[1]
-
     def receive_command(self) -> tuple[int, dict[str, torch.Tensor] | None]:
         """Ranks > 0: rank 0's next command, with its batch when it is a train command."""
         head = torch.zeros(3, dtype=torch.long)
@@ -81,16 +76,6 @@ class DataParallel:
             dist.broadcast(t, src=0)
             out[name] = t
         return cmd, out
-
-    def all_reduce_grads(self, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
-        """Sum gradients (each rank's loss is already scaled by its token share) and the loss."""
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-        loss = loss.detach().clone()
-        dist.all_reduce(loss)
-        return loss
 
     def close(self) -> None:
         if self.rank == 0:
@@ -110,34 +95,3 @@ def _watch_parent(parent: int) -> None:
         time.sleep(1.0)
         if os.getppid() != parent:
             os._exit(3)  # rank 0 is gone: nothing will ever finish the collective we wait in
-
-
-def main(argv=None) -> int:
-    from areal_bus.engines.torch_train import TorchTrainEngine
-    from areal_bus.topology import load_topology
-
-    p = argparse.ArgumentParser(description="a data-parallel trainer rank (started by the trainer node)")
-    p.add_argument("--topology", required=True)
-    p.add_argument("--model", required=True)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--init", required=True)
-    p.add_argument("--backend", default="gloo")
-    args = p.parse_args(argv)
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    topo = load_topology(args.topology)
-    torch.set_num_threads(topo.model.threads)
-    dp = DataParallel(args.rank, args.world, args.init, args.backend)
-    engine = TorchTrainEngine(topo, args.model, dp=dp)
-    if os.path.exists(os.path.join(args.model, "optimizer.pt")):  # resuming: same state as rank 0
-        engine.load_optimizer(args.model)
-    try:
-        while (data := dp.receive()) is not None:
-            engine.update(data)
-    finally:
-        dp.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

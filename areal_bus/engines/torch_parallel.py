@@ -188,11 +188,6 @@ class RankGroup(DataParallel):
     """torch_dp's ranks (launch, batch broadcast, stop) plus rank 0's gather commands: a sharded
     tensor is gathered by every rank together, so the others must hear when rank 0 wants one."""
 
-    @classmethod
-    def launch(cls, world: int, topology_path: str, model_path: str, backend: str = "gloo",
-               module: str = "areal_bus.engines.torch_parallel") -> RankGroup:
-        return super().launch(world, topology_path, model_path, backend, module)
-
     def request(self, cmd: int) -> None:
         """Rank 0: have every rank run ``cmd`` with it."""
         dist.broadcast(torch.tensor([cmd, 0, 0], dtype=torch.long), src=0)

@@ -71,7 +71,7 @@ class TorchTrainEngine:
         self.temperature = topo.rollout_engine.temperature
         self.mini_batch = topo.mini_batch_size
         self.publish = publish  # callable(state_dict, version) -> (location, nbytes)
-        self.dp = dp  # a torch_dp.DataParallel when train_workers > 1
+        self.dp = dp  # the other ranks (torch_dp.DataParallel) a parallel engine hands each batch to
 
     # -- what a parallel layout (torch_parallel.ParallelTrainEngine) replaces ------------------
     def _prepare_model(self, model):
@@ -80,12 +80,12 @@ class TorchTrainEngine:
 
     def _data_shard(self) -> tuple[int, int]:
         """(index, count): this rank trains rows index::count of every mini-batch."""
-        return (self.dp.rank, self.dp.world) if self.dp is not None else (0, 1)
+        return 0, 1
 
     def _sync_grads(self, loss: torch.Tensor) -> torch.Tensor:
         """Make this rank's gradients the mini-batch's; returns the mini-batch's loss (each rank's
         ``loss`` is already weighted by its token share, so the sum over ranks)."""
-        return self.dp.all_reduce_grads(self.model, loss) if self.dp is not None else loss
+        return loss
 
     def _clip_grads(self) -> float:
         return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
