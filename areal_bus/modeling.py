@@ -479,6 +479,15 @@ def make_random_model(cfg: dict | ModelConfig, seed: int = 0, device: str | torc
     return model.to(device=device, dtype=as_dtype(dtype)).eval()
 
 
+def param_shapes(cfg: dict | ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter a checkpoint of ``cfg`` holds, in the model's order (a tied
+    lm_head once, as the embedding). Built on the meta device: no memory, whatever the size."""
+    cfg = cfg if isinstance(cfg, ModelConfig) else ModelConfig.from_hf(cfg)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
 def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

@@ -48,9 +48,12 @@ import zmq
 from areal_bus import messages as m
 from areal_bus.channels import open_socket
 from areal_bus.codec import Encoder, decode, pack_topic
+from areal_bus.modeling import param_shapes
 from areal_bus.weights_shm import ShmWeightReader, ShmWeightWriter
 
-HIDDEN, INTERMEDIATE, KV_DIM, LAYERS = 896, 4864, 128, 24  # Qwen2-0.5B: 14 heads, 2 KV heads of 64
+HIDDEN, LAYERS = 896, 24
+QWEN2_05B = dict(model_type="qwen2", hidden_size=HIDDEN, intermediate_size=4864, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)  # Qwen2-0.5B
 ACK_TIMEOUT_S = 60.0  # a reader silent for this long is dead or stuck: fail rather than hang
 SYNC_EVERY_S = 0.02  # the READY barrier repeats its probe this often until every reader answers
 STOP = -1  # announced version that tells readers to exit
@@ -58,23 +61,11 @@ STOP = -1  # announced version that tells readers to exit
 
 def qwen_like_shapes(target_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
     """Qwen2-0.5B's tensor list (tied embedding), layers and vocabulary scaled to ``target_bytes``."""
-    layer = [
-        ("self_attn.q_proj.weight", (HIDDEN, HIDDEN)), ("self_attn.q_proj.bias", (HIDDEN,)),
-        ("self_attn.k_proj.weight", (KV_DIM, HIDDEN)), ("self_attn.k_proj.bias", (KV_DIM,)),
-        ("self_attn.v_proj.weight", (KV_DIM, HIDDEN)), ("self_attn.v_proj.bias", (KV_DIM,)),
-        ("self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
-        ("mlp.gate_proj.weight", (INTERMEDIATE, HIDDEN)), ("mlp.up_proj.weight", (INTERMEDIATE, HIDDEN)),
-        ("mlp.down_proj.weight", (HIDDEN, INTERMEDIATE)),
-        ("input_layernorm.weight", (HIDDEN,)), ("post_attention_layernorm.weight", (HIDDEN,)),
-    ]
-    per_layer = sum(_numel(s) for _, s in layer)
     params = target_bytes // 2
     layers = max(1, min(LAYERS, round(LAYERS * params / 494_032_768)))  # 494M: the real model
+    per_layer = sum(_numel(s) for n, s in param_shapes(dict(QWEN2_05B, num_hidden_layers=1)) if ".layers." in n)
     vocab = max(1, (params - layers * per_layer - HIDDEN) // HIDDEN)
-    shapes = [("model.embed_tokens.weight", (vocab, HIDDEN))]
-    for i in range(layers):
-        shapes += [(f"model.layers.{i}.{n}", s) for n, s in layer]
-    return shapes + [("model.norm.weight", (HIDDEN,))]
+    return param_shapes(dict(QWEN2_05B, num_hidden_layers=layers, vocab_size=vocab))
 
 
 def _numel(shape) -> int:

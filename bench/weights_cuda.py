@@ -41,27 +41,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import torch  # noqa: E402
 
 from areal_bus import messages as m  # noqa: E402
+from areal_bus.modeling import param_shapes  # noqa: E402
 from areal_bus.weights_cuda import CudaWeightReader, CudaWeightWriter  # noqa: E402
 
-HIDDEN, INTERMEDIATE, KV_DIM, VOCAB = 1536, 8960, 256, 151936  # Qwen2-1.5B: 12 heads, 2 KV heads of 128
+QWEN2_15B = dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)  # Qwen2-1.5B
 ACK_TIMEOUT_S = 120.0  # a reader silent this long is dead or stuck (its first open includes CUDA init)
 STOP = -1
 
 
 def qwen15_shapes(layers: int) -> list[tuple[str, tuple[int, ...]]]:
-    layer = [
-        ("self_attn.q_proj.weight", (HIDDEN, HIDDEN)), ("self_attn.q_proj.bias", (HIDDEN,)),
-        ("self_attn.k_proj.weight", (KV_DIM, HIDDEN)), ("self_attn.k_proj.bias", (KV_DIM,)),
-        ("self_attn.v_proj.weight", (KV_DIM, HIDDEN)), ("self_attn.v_proj.bias", (KV_DIM,)),
-        ("self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
-        ("mlp.gate_proj.weight", (INTERMEDIATE, HIDDEN)), ("mlp.up_proj.weight", (INTERMEDIATE, HIDDEN)),
-        ("mlp.down_proj.weight", (HIDDEN, INTERMEDIATE)),
-        ("input_layernorm.weight", (HIDDEN,)), ("post_attention_layernorm.weight", (HIDDEN,)),
-    ]
-    shapes = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
-    for i in range(layers):
-        shapes += [(f"model.layers.{i}.{n}", s) for n, s in layer]
-    return shapes + [("model.norm.weight", (HIDDEN,))]
+    return param_shapes(dict(QWEN2_15B, num_hidden_layers=layers))
 
 
 def marker(version: int) -> float:
@@ -83,7 +73,7 @@ def reader_main(idx: int, conn, handles: dict) -> None:
     first = torch.tensor([s.offset // 2 for s in reader.layout.specs], device=reader.device)
     flat = [b[: reader.layout.nbytes // 2 * 2].view(torch.bfloat16) for b in reader.buffers]
     probe = "model.layers.0.self_attn.q_proj.weight"
-    x = torch.ones(1, HIDDEN, dtype=torch.bfloat16, device=reader.device)
+    x = torch.ones(1, QWEN2_15B["hidden_size"], dtype=torch.bfloat16, device=reader.device)
     conn.send({"tag": "ready", "node_id": node_id, "open_s": open_s})
     model: dict[str, torch.Tensor] = {}
     while True:

@@ -129,3 +129,10 @@ def test_cached_chunked_forward_matches_full_forward():
             pos = torch.arange(lo, hi)[None]
             parts.append(model.lm_head(model.hidden_states(ids[:, lo:hi], pos, cache=cache, slots=slot)))
     assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
+
+
+def test_param_shapes_are_the_models_own_parameters_without_building_it():
+    from areal_bus.modeling import param_shapes
+
+    model = make_random_model(TINY_QWEN2)
+    assert param_shapes(TINY_QWEN2) == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
