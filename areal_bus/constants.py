@@ -55,6 +55,11 @@ SEEN_IDS_MAX = 1_000_000
 """The trainer remembers this many consumed trajectory ids for duplicate suppression (~100 MB at most);
 older ids fall out first, by which time their producers have long received the ack."""
 
+STREAM_EVERY_S = 0.05
+"""A streamed request's new tokens go to the gateway at most this often (its first token at once):
+20 updates a second read as live text, and at a GPU's decode rate of hundreds of steps a second a
+message per token per request would cost the rollout loop more than the decoding it reports on."""
+
 POLL_MS = 50
 """Main-loop poll timeout. Short enough that SIGTERM and version announcements are handled promptly,
 long enough that idle nodes cost nothing measurable."""

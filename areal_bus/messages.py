@@ -94,6 +94,8 @@ class GenerateRequest:
     top_p: float = 1.0
     stop: list = field(default_factory=list)
     meta: dict = field(default_factory=dict)
+    stream: bool = False
+    """Send PartialCompletions while it runs (gateway streams only; agents wait for the whole)."""
 
 
 @message("comp")
@@ -113,6 +115,21 @@ class Completion:
     versions: np.ndarray
     finish_reason: str = "length"
     gen_seconds: float = 0.0
+
+
+@message("part")
+@dataclass(slots=True)
+class PartialCompletion:
+    """rollout -> gateway (channel ``gwork``), only for a request with ``stream`` set: the tokens it has
+    sampled since the last one, while it runs, so the gateway can stream text as it is made. Best
+    effort: one may be dropped (a full queue) and the Completion that ends the request carries every
+    token anyway. ``start`` is the index of ``output_ids[0]`` in the request's output."""
+
+    TAG: ClassVar[str]
+    ARRAYS: ClassVar[tuple[str, ...]] = ("output_ids",)
+    request_id: str
+    start: Annotated[int, IntRange(0, 2**31 - 1)]
+    output_ids: np.ndarray
 
 
 @message("traj")

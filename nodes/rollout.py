@@ -7,18 +7,22 @@ drains the hub, switches to a newly announced policy version without stopping th
 (tokens after the switch carry the new version), and lets new requests join while it has free slots.
 It reads work only when it has a free slot and its outbox has room, so a slow agent turns into
 backpressure, never into loss. Its heartbeat lists the requests it holds, so the agent can reissue
-them if this worker dies.
+them if this worker dies. A gateway request marked ``stream`` also gets its tokens as they are made
+(PartialCompletion), for the gateway to stream to its client.
 
 Run: areal-bus node rollout --topology topology/default.yaml --replica 0
 """
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import zmq
 
 from areal_bus import messages as m
 from areal_bus.channels import Receiver, ReliableSender, open_socket
-from areal_bus.constants import POLL_MS, WORK_HWM
+from areal_bus.constants import POLL_MS, STREAM_EVERY_S, WORK_HWM
 from areal_bus.engines.sim import SimRolloutEngine
 from areal_bus.node import NodeShell
 
@@ -95,6 +99,28 @@ class StepLog:
         return line
 
 
+def stream_partials(streams: dict[str, list], peek, gsocks: list, shell) -> None:
+    """Send each streamed request's new tokens to its gateway: the first at once, then at most every
+    STREAM_EVERY_S. Best effort: a gateway whose queue is full misses this one (the Completion that
+    ends the request carries every token)."""
+    now = time.monotonic()
+    for rid, st in list(streams.items()):
+        j, sent, last = st
+        if sent and now - last < STREAM_EVERY_S:
+            continue
+        ids = peek(rid)
+        if len(ids) <= sent:
+            continue
+        part = m.PartialCompletion(request_id=rid, start=sent, output_ids=np.asarray(ids[sent:], dtype=np.int32))
+        try:
+            gsocks[j].send_multipart(shell.encoder.encode(part), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            shell.metrics.inc("stream.partials_dropped")
+            continue
+        st[1], st[2] = len(ids), now
+        shell.metrics.inc("stream.partials")
+
+
 def run(topo, replica: int = 0, base=None) -> int:
     shell = NodeShell(topo, "rollout", replica, base=base, watch=("agent", "weights"), topics=(m.TOPIC_VERSION,))
     shell.install_signal_handlers()
@@ -121,6 +147,8 @@ def run(topo, replica: int = 0, base=None) -> int:
                              track_acks=False) for j, sock in enumerate(gsocks)]
     engine, release_upto = make_engine(topo, shell.node_id, replica, base)
     steplog = StepLog(topo)
+    peek = getattr(engine, "peek", None)  # live streaming, where the engine can show a running output
+    streams: dict[str, list] = {}  # streamed gateway request id -> [gateway index, tokens sent, when last sent]
     waiting: list[m.GenerateRequest] = []  # requests whose min_version we do not serve yet
     reply_of: dict[str, int] = {}  # request id -> agent replica that asked (-1 - j: gateway j)
     announced = None
@@ -177,10 +205,13 @@ def run(topo, replica: int = 0, base=None) -> int:
                     if req.request_id in reply_of:  # a resend of what we already run
                         continue
                     reply_of[req.request_id] = req.reply_to if j is None else -1 - j
+                    if req.stream and j is not None and peek is not None:
+                        streams[req.request_id] = [j, 0, 0.0]
                     (waiting.append if req.min_version > engine.version else engine.add_request)(req)
             shell.inflight = engine.running_ids + [r.request_id for r in waiting]
             finished = engine.step() if engine.running_ids else []
             for comp in finished:
+                streams.pop(comp.request_id, None)
                 to = reply_of.pop(comp.request_id, 0)
                 (replies[to] if to >= 0 else gw_out[-1 - to]).offer(
                     comp.request_id, comp, (int(comp.versions.min(initial=0)),))
@@ -189,6 +220,8 @@ def run(topo, replica: int = 0, base=None) -> int:
                 line = steplog.add(comp, engine.version)
                 if line:
                     shell.log.info("step", **line, version=engine.version)
+            if streams:
+                stream_partials(streams, peek, gsocks, shell)
             for r in (*replies, *gw_out):
                 r.flush()
             shell.metrics.gauge("running", len(engine.running_ids))

@@ -27,6 +27,10 @@ class RolloutEngine(Protocol):
     def step(self) -> list[Completion]:
         """One decode step for every running sequence; returns those that finished."""
 
+    def peek(self, request_id: str) -> list[int]:
+        """Optional (an engine without it streams nothing until a request ends): the output ids a
+        running request has so far, for live streaming through the gateway."""
+
     def swap_weights(self, version: int, location: str) -> float:
         """Switch to ``version`` between two steps (the safe point). Returns seconds the swap took.
         Sequences keep running; their later tokens carry the new version."""

@@ -167,6 +167,11 @@ class TorchRolloutEngine:
         stops = frozenset(int(s) for s in req.stop if isinstance(s, (int, np.integer))) | self.eos_token_ids
         self._pending.append(_Seq(req, prompt, len(prompt), stops, time.time()))
 
+    def peek(self, request_id: str) -> list[int]:
+        """The output ids a running request has so far ([] if it is not running)."""
+        s = self._running.get(request_id)
+        return s.tokens[s.prompt_len:] if s is not None else []
+
     @torch.inference_mode()
     def step(self) -> list[Completion]:
         while self._pending:

@@ -402,6 +402,11 @@ class VllmRolloutEngine:
         self.llm.add_request(req.request_id, self._prompt(prompt_token_ids=prompt), params)
         self._running[req.request_id] = Generation(req, time.time())
 
+    def peek(self, request_id: str) -> list[int]:
+        """The output ids a running request has so far ([] if it is not running)."""
+        gen = self._running.get(request_id)
+        return list(gen.tokens) if gen is not None else []
+
     def step(self) -> list[Completion]:
         if not self._running:
             return []

@@ -5,13 +5,14 @@ Claude Code (and anything built on the anthropic SDK) joins training by setting
 owns the HTTP; this module owns only the shapes, so every rule here is testable without a socket:
 
     POST /v1/messages               body -> to_openai_request -> (the gateway's completion path)
-                                    -> from_openai_response (JSON) or stream_events + format_sse (SSE)
+                                    -> from_openai_response (JSON) or StreamEvents + format_sse (SSE)
     POST /v1/messages/count_tokens  body -> count_tokens_request -> count the prompt -> count_tokens_response
     any failure                     AnthropicError(status, message): reply ``.body`` with ``.status``
                                     (inside an open stream: format_sse("error", err.body))
 
-Streaming is built from a finished completion: the policy's answer is recorded whole for training
-anyway, and Claude Code only needs the event sequence the SDK's parser accumulates, not early tokens.
+Streaming (``StreamEvents``): message_start when generation starts, the text block's deltas while the
+policy generates (nodes/gateway/live.py decides what text is safe to send), then the rest from the
+finished completion: tool_use blocks, stop reason and usage.
 
     .venv/bin/python -m pytest tests/test_gateway_anthropic.py -q
 """
@@ -523,35 +524,69 @@ def from_openai_response(resp: dict, model: str) -> dict:
     }
 
 
-def stream_events(resp: dict, model: str) -> list[tuple[str, dict]]:
-    """The server-sent events of a streamed Anthropic reply carrying the finished completion ``resp``:
-    message_start, per block content_block_start / content_block_delta / content_block_stop,
-    message_delta (stop_reason, output tokens), message_stop. Write each with format_sse."""
-    message = from_openai_response(resp, model)
-    start = dict(message, content=[], stop_reason=None, stop_sequence=None,
-                 usage={"input_tokens": message["usage"]["input_tokens"], "output_tokens": 0})
-    events: list[tuple[str, dict]] = [("message_start", {"type": "message_start", "message": start})]
-    for index, block in enumerate(message["content"]):
-        if block["type"] == "text":
-            opening = {"type": "text", "text": ""}
-            delta = {"type": "text_delta", "text": block["text"]}
-        else:
+class StreamEvents:
+    """The server-sent events of one streamed reply, built in the order they go out: ``opening``
+    (message_start), ``text`` (the text block's deltas, opened on the first), ``closing`` from the
+    finished completion (the rest of the text, the text block's stop, a tool_use block per call,
+    message_delta with stop reason and output tokens, message_stop). Write each with format_sse."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.text_open = False
+
+    def opening(self, rid: str, input_tokens: int) -> list[tuple[str, dict]]:
+        start = {"id": _message_id({"id": rid}), "type": "message", "role": "assistant", "model": self.model,
+                 "content": [], "stop_reason": None, "stop_sequence": None,
+                 "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
+        return [("message_start", {"type": "message_start", "message": start})]
+
+    def text(self, delta: str) -> list[tuple[str, dict]]:
+        events = []
+        if not self.text_open:
+            self.text_open = True
+            events.append(("content_block_start", {"type": "content_block_start", "index": 0,
+                                                   "content_block": {"type": "text", "text": ""}}))
+        events.append(("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                               "delta": {"type": "text_delta", "text": delta}}))
+        return events
+
+    def closing(self, resp: dict, rest: list[str]) -> list[tuple[str, dict]]:
+        """``rest``: the pieces of the text not yet sent (the whole text, when nothing was)."""
+        message = from_openai_response(resp, self.model)
+        events = [e for piece in rest if piece for e in self.text(piece)]
+        index = 0
+        if self.text_open:
+            events.append(("content_block_stop", {"type": "content_block_stop", "index": 0}))
+            index = 1
+        for block in message["content"]:
+            if block["type"] != "tool_use":
+                continue
             opening = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
             # The parsed input, re-serialised: the SDK parses the concatenated partial_json, so it
             # must be valid JSON even when the model's own arguments were not.
             delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
-        events += [
-            ("content_block_start", {"type": "content_block_start", "index": index, "content_block": opening}),
-            ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}),
-            ("content_block_stop", {"type": "content_block_stop", "index": index}),
-        ]
-    events.append(("message_delta", {
-        "type": "message_delta",
-        "delta": {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]},
-        "usage": {"output_tokens": message["usage"]["output_tokens"]},
-    }))
-    events.append(("message_stop", {"type": "message_stop"}))
-    return events
+            events += [
+                ("content_block_start", {"type": "content_block_start", "index": index, "content_block": opening}),
+                ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}),
+                ("content_block_stop", {"type": "content_block_stop", "index": index}),
+            ]
+            index += 1
+        events.append(("message_delta", {
+            "type": "message_delta",
+            "delta": {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]},
+            "usage": {"output_tokens": message["usage"]["output_tokens"]},
+        }))
+        events.append(("message_stop", {"type": "message_stop"}))
+        return events
+
+
+def stream_events(resp: dict, model: str) -> list[tuple[str, dict]]:
+    """The server-sent events of a streamed Anthropic reply carrying the finished completion ``resp``
+    (a reply routed to another model, or built by a test's stand-in upstream)."""
+    events = StreamEvents(model)
+    text = _text_of(_first_choice(resp).get("message", {}).get("content"))
+    input_tokens = int((resp.get("usage") or {}).get("prompt_tokens") or 0)
+    return [*events.opening(str(resp.get("id") or uuid.uuid4().hex), input_tokens), *events.closing(resp, [text])]
 
 
 def format_sse(event: str, data: dict) -> bytes:

@@ -65,6 +65,7 @@ from nodes.gateway import anthropic_api
 from nodes.gateway.backend import Backend, SamplingParams
 from nodes.gateway.chat import ChatError, ChatRenderer, canonical, parse_tool_calls
 from nodes.gateway.guard import MAX_JSON_DEPTH, RedactingLog, check_json, too_deep
+from nodes.gateway.live import LiveStream, TextFeed
 from nodes.gateway.openai_api import (SSE_DONE, ChatRequest, OpenAIError, completion_response, model_card,
                                       parse_chat_request, router_error, sse, stream_chunks, token_logprobs)
 from nodes.gateway.rl_routes import RLRoutes
@@ -282,15 +283,18 @@ class Gateway(RLRoutes):
         if who is not ADMIN and who.closing:  # the session ended while the body arrived: say how, as a 401
             who = self.principal(request)
         req = parse_chat_request(data)
-        if req.model != self.cfg.policy_model:
-            resp = await self.routed(req.model, data, t0)
-        else:
-            resp, _ = await self.complete(req, who, t0, stream_to=request if req.stream else None)
-            if req.stream:
-                return resp
-        if req.stream:
-            return await self._stream(request, resp, None, bool(req.stream_options and req.stream_options.include_usage))
-        return json_response(resp)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.model == self.cfg.policy_model:
+            live = LiveStream(req.model, include_usage=include_usage) if req.stream else None
+            resp, _ = await self.complete(req, who, t0, live, request)
+            return live.stream if live is not None else json_response(resp)
+        resp = await self.routed(req.model, data, t0)
+        if not req.stream:
+            return json_response(resp)
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await stream.prepare(request)
+        await _write_quietly(stream, b"".join(sse(c) for c in stream_chunks(resp, include_usage)) + SSE_DONE)
+        return stream
 
     async def routed(self, model: str, data: dict, t0: float) -> dict:
         if self.router is None:
@@ -314,8 +318,10 @@ class Gateway(RLRoutes):
                       ms=round((time.monotonic() - t0) * 1000))
         return resp
 
-    async def complete(self, req: ChatRequest, who, t0: float, stream_to: web.Request | None = None):
-        """Serve a policy request: (response dict or the finished SSE response, choices)."""
+    async def complete(self, req: ChatRequest, who, t0: float, live: LiveStream | None = None,
+                       request: web.Request | None = None):
+        """Serve a policy request: (response dict, choices). With ``live`` the reply is streamed to
+        ``request`` while it is generated, and finished here ((None, []) if it ended in an error)."""
         session = who if isinstance(who, Session) else None
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -353,25 +359,34 @@ class Gateway(RLRoutes):
         self._add_pending(n)
 
         loop = asyncio.get_running_loop()
-        result = None
+        feeds = tokens = None
+        if live is not None and getattr(self.backend, "streams_tokens", False):
+            feeds = [TextFeed(self.renderer.decode, stops, parse_tools) for _ in range(n)]
+            tokens = asyncio.Queue()  # (choice, start, ids) from the backend, then None when the turn is done
+        result = first = None
         if session is not None:
             # The turn is generated and recorded in a task of its own, which hands its outcome to a
             # future of ours: a disconnect cancels this handler and that future, never the recording.
             self.store.begin(session)
+            if live is not None:  # the stream names its response id before the turn is recorded
+                first = self.store.reserve(session, n)
             result = loop.create_future()
             job = loop.create_task(self._generate_and_record(session, base, prompt, env_ids, history, tools_key, n,
-                                                             params, stops, parse_tools, result))
+                                                             params, stops, parse_tools, result, first, tokens))
             self.jobs.setdefault(session.id, set()).add(job)
-        stream = None
-        if stream_to is not None:  # headers now; the text follows when the whole completion is back
-            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            try:
-                await stream.prepare(stream_to)
-            except BaseException:  # the client left: an admin call's slot is ours to give back (a session's
-                # task gives back its own)
-                if session is None:
-                    self._add_pending(-n)
-                raise
+        elif live is not None:  # nothing to record, but the handler writes while it generates
+            result = loop.create_task(self._generate_unrecorded(prompt, params, n, stops, parse_tools, tokens))
+        rid = (f"chatcmpl-{self._rid_prefix}{next(self._rids)}" if session is None
+               else f"chatcmpl-{session.id}-{first}" if first is not None else None)
+        if live is not None:
+            await live.open(request, rid, int(prompt.size), n)  # the client left: the live writes are no-ops
+        if tokens is not None:
+            result.add_done_callback(lambda _: tokens.put_nowait(None))
+            while (item := await tokens.get()) is not None:
+                i, start, ids = item
+                delta = feeds[i].add(start, ids)
+                if delta:
+                    await live.text(i, delta)
         try:
             if result is not None:
                 outs, indices = await result
@@ -385,20 +400,19 @@ class Gateway(RLRoutes):
                 indices = []
         except ValueError as exc:  # the backend refused the request
             err = OpenAIError(400, f"The engine refused the request: {exc}", code="invalid_request")
-            if stream is None:
+            if live is None:
                 raise err from None
-            await _write_quietly(stream, sse(err.body()) + SSE_DONE)
-            return stream, []
+            await live.fail(err)
+            return None, []
         except Exception as exc:  # the backend failed (no rollout worker, engine error): not the client's doing
             err = OpenAIError(503, f"The policy backend could not generate: {exc}", type="server_error",
                               code="backend_unavailable")
-            if stream is None:
+            if live is None:
                 raise err from None
-            await _write_quietly(stream, sse(err.body()) + SSE_DONE)
-            return stream, []
+            await live.fail(err)
+            return None, []
 
-        rid = (f"chatcmpl-{session.id}-{indices[0]}" if session is not None
-               else f"chatcmpl-{self._rid_prefix}{next(self._rids)}")
+        rid = rid or f"chatcmpl-{session.id}-{indices[0]}"
         choices = []
         for out in outs:
             choice = {"message": out.message, "finish_reason": out.finish_reason}
@@ -414,44 +428,65 @@ class Gateway(RLRoutes):
         loop.call_soon(functools.partial(
             self.log.info, "request", route="chat", model=req.model, routed_to="policy",
             session=session.id if session is not None else "-", prompt_tokens=int(prompt.size),
-            completion_tokens=completion_tokens, n=n, stream=bool(stream_to),
+            completion_tokens=completion_tokens, n=n, stream=live is not None,
             ms=round((time.monotonic() - t0) * 1000)))
-        if stream is not None:
-            pieces = [self.renderer.text_pieces(o.completion.output_ids, o.message.get("content") or "") for o in outs]
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await self._stream(stream_to, resp, pieces, include_usage, stream), outs
+        if live is not None:
+            if feeds is not None:  # what the feeds have not sent yet
+                rest = [[feed.rest(o.message.get("content"))] for feed, o in zip(feeds, outs)]
+                if any(feed.mismatched for feed in feeds):
+                    self.metrics.inc("gateway.stream_mismatch")
+            else:  # a backend that cannot stream: the whole text now, cut where tokens end
+                rest = [self.renderer.text_pieces(o.completion.output_ids, o.message.get("content") or "")
+                        for o in outs]
+            await live.finish(resp, rest)
         return resp, outs
 
     def _add_pending(self, k: int) -> None:
         self.pending += k
         self.metrics.gauges["http.pending"] = self.pending
 
-    async def _generate(self, sid: str, prompt, params, n: int, stops,
-                        parse_tools) -> tuple[list[_Out], BaseException | None]:
-        """The choices that came back, post-processed, and the first failure (None if all came back)."""
+    async def _generate(self, sid: str, prompt, params, n: int, stops, parse_tools,
+                        tokens: asyncio.Queue | None = None) -> tuple[list[_Out], BaseException | None]:
+        """The choices that came back, post-processed, and the first failure (None if all came back).
+        ``tokens``: a queue that gets (choice, start, ids) as the backend reports tokens."""
+        def kw(i: int) -> dict:
+            return {} if tokens is None else {"on_tokens": lambda start, ids: tokens.put_nowait((i, start, ids))}
+
         if n == 1:  # the usual request: no gather, whose task per choice costs a loop iteration or two
             try:
-                comps, failed = [await self.backend.generate(sid, prompt, params)], None
+                comps, failed = [await self.backend.generate(sid, prompt, params, **kw(0))], None
             except Exception as exc:
                 comps, failed = [], exc
         else:
-            results = await asyncio.gather(*(self.backend.generate(sid, prompt, params) for _ in range(n)),
+            results = await asyncio.gather(*(self.backend.generate(sid, prompt, params, **kw(i)) for i in range(n)),
                                            return_exceptions=True)
             comps = [r for r in results if not isinstance(r, BaseException)]
             failed = next((r for r in results if isinstance(r, BaseException)), None)
         return [self._postprocess(c, stops, parse_tools) for c in comps], failed
 
-    async def _generate_and_record(self, session, base, prompt, env_ids, history, tools_key, n, params, stops,
-                                   parse_tools, result: asyncio.Future) -> None:
-        """Generate a session's turn and record it; the outcome (outs, indices) or the failure goes to
-        ``result`` unless the client left (then it is dropped: the record is what mattered)."""
+    async def _generate_unrecorded(self, prompt, params, n: int, stops, parse_tools, tokens) -> tuple[list, list]:
+        """An admin call's streamed generation (nothing recorded): (outs, []) or its failure."""
         try:
-            outs, failed = await self._generate(session.id, prompt, params, n, stops, parse_tools)
+            outs, failed = await self._generate("", prompt, params, n, stops, parse_tools, tokens)
+        finally:
+            self._add_pending(-n)
+        if failed is not None:
+            raise failed
+        return outs, []
+
+    async def _generate_and_record(self, session, base, prompt, env_ids, history, tools_key, n, params, stops,
+                                   parse_tools, result: asyncio.Future, first: int | None = None,
+                                   tokens: asyncio.Queue | None = None) -> None:
+        """Generate a session's turn and record it (at the reserved indices from ``first``, if any); the
+        outcome (outs, indices) or the failure goes to ``result`` unless the client left (then it is
+        dropped: the record is what mattered)."""
+        try:
+            outs, failed = await self._generate(session.id, prompt, params, n, stops, parse_tools, tokens)
             indices = []
             if outs:
                 choices = [Choice(o.completion, o.message, _closed(o.completion, self.renderer.eos_id),
                                   (*history, canonical(o.message)), params.temperature) for o in outs]
-                indices = self.store.record(session, base, prompt, env_ids, tools_key, choices)
+                indices = self.store.record(session, base, prompt, env_ids, tools_key, choices, first)
             if failed is not None:
                 raise failed
             if not result.done():
@@ -484,15 +519,6 @@ class Gateway(RLRoutes):
             message["tool_calls"] = calls
         finish = "tool_calls" if calls else "stop" if stopped else comp.finish_reason
         return _Out(comp, message, finish)
-
-    async def _stream(self, request, resp: dict, pieces, include_usage: bool,
-                      stream: web.StreamResponse | None = None) -> web.StreamResponse:
-        if stream is None:
-            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await stream.prepare(request)
-        body = b"".join(sse(c) for c in stream_chunks(resp, pieces, include_usage)) + SSE_DONE
-        await _write_quietly(stream, body)
-        return stream
 
     # -- models -----------------------------------------------------------------------------------
 
@@ -532,7 +558,10 @@ class Gateway(RLRoutes):
             if model != self.cfg.policy_model:
                 resp = await self.routed(model, oa, t0)
             else:
-                resp, _ = await self.complete(parse_chat_request(oa), who, t0)
+                live = LiveStream(model, anthropic=True) if body.get("stream") else None
+                resp, _ = await self.complete(parse_chat_request(oa), who, t0, live, request)
+                if live is not None:
+                    return live.stream
         except OpenAIError as err:
             hint = " (Claude Code: set ANTHROPIC_MODEL to it)" if err.code == "model_not_found" else ""
             raise anthropic_api.AnthropicError(err.status, err.message + hint, _reason(err), err.headers) from None

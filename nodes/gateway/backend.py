@@ -24,12 +24,14 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
+from areal_bus.constants import STREAM_EVERY_S
 from areal_bus.messages import Completion, GenerateRequest
 
 ENGINE_IDLE_WAIT_S = 0.05
@@ -55,7 +57,10 @@ class Backend(Protocol):
     async def generate(self, session_id: str, prompt_ids: np.ndarray, params: SamplingParams) -> Completion:
         """Generate one completion of ``prompt_ids``. ``session_id`` is "" outside a session.
 
-        Raises ValueError for a request the engine refuses (prompt too long, ...)."""
+        Raises ValueError for a request the engine refuses (prompt too long, ...). A backend whose
+        ``streams_tokens`` is true also takes ``on_tokens=fn``: ``fn(start, ids)`` is called on the
+        event loop with each run of tokens sampled while the request runs (``start``: the index of
+        ``ids[0]`` in the output), so the gateway can stream text as it is made."""
 
 
 class LocalEngineBackend:
@@ -68,6 +73,7 @@ class LocalEngineBackend:
     """
 
     def __init__(self, engine, *, keep_history: bool = False, name: str = "gateway-engine"):
+        self.streams_tokens = hasattr(engine, "peek")
         self.engine = engine
         self.history: list[tuple[np.ndarray, Completion]] | None = [] if keep_history else None
         self._inbox: queue.Queue = queue.Queue()
@@ -81,7 +87,8 @@ class LocalEngineBackend:
         """Prompt + output tokens one sequence may hold (the engine's ``max_len``), if it says."""
         return getattr(self.engine, "max_len", None)
 
-    async def generate(self, session_id: str, prompt_ids: np.ndarray, params: SamplingParams) -> Completion:
+    async def generate(self, session_id: str, prompt_ids: np.ndarray, params: SamplingParams,
+                       on_tokens=None) -> Completion:
         if self._stop.is_set():
             raise RuntimeError("backend is closed")
         loop = asyncio.get_running_loop()
@@ -91,8 +98,8 @@ class LocalEngineBackend:
             request_id=rid, episode_id=session_id or rid, ticket=0, min_version=0,
             max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
             prompt_ids=np.asarray(prompt_ids, dtype=np.int32), stop=list(params.stop_token_ids),
-            meta=dict(params.meta))
-        self._inbox.put((req, loop, fut))
+            meta=dict(params.meta), stream=on_tokens is not None)
+        self._inbox.put((req, loop, fut, on_tokens))
         return await fut
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -103,7 +110,8 @@ class LocalEngineBackend:
 
     def _run(self) -> None:
         waiting: deque = deque()  # requests taken from the inbox that found no free slot yet
-        inflight: dict[str, tuple] = {}  # request id -> (request, loop, future)
+        inflight: dict[str, tuple] = {}  # request id -> (request, loop, future, on_tokens)
+        streamed: dict[str, list] = {}  # streamed request id -> [tokens sent, when last sent]
         while not self._stop.is_set():
             block = not (waiting or inflight)
             try:
@@ -113,29 +121,60 @@ class LocalEngineBackend:
             except queue.Empty:
                 pass
             while waiting and self.engine.free_slots > 0:
-                req, loop, fut = waiting.popleft()
+                req, loop, fut, on_tokens = waiting.popleft()
                 try:
                     self.engine.add_request(req)
                 except (ValueError, RuntimeError) as exc:  # refused request: the caller's error, not ours
                     _resolve(loop, fut, exc=exc)
                     continue
-                inflight[req.request_id] = (req, loop, fut)
+                inflight[req.request_id] = (req, loop, fut, on_tokens)
+                if on_tokens is not None:
+                    streamed[req.request_id] = [0, 0.0]
             if not inflight:
                 continue
             try:
                 done = self.engine.step()
             except Exception as exc:  # deliberately tolerated: fail what was running, keep serving
-                for _, loop, fut in inflight.values():
+                for _, loop, fut, _ in inflight.values():
                     _resolve(loop, fut, exc=RuntimeError(f"engine step failed: {exc!r}"))
                 inflight.clear()
+                streamed.clear()
                 continue
             for comp in done:
-                req, loop, fut = inflight.pop(comp.request_id)
+                req, loop, fut, _ = inflight.pop(comp.request_id)
+                streamed.pop(comp.request_id, None)
                 if self.history is not None:
                     self.history.append((req.prompt_ids, comp))
                 _resolve(loop, fut, result=comp)
-        for req, loop, fut in [*waiting, *inflight.values()]:
+            if streamed:
+                self._stream(streamed, inflight)
+        for req, loop, fut, _ in [*waiting, *inflight.values()]:
             _resolve(loop, fut, exc=RuntimeError("backend closed"))
+
+
+    def _stream(self, streamed: dict[str, list], inflight: dict[str, tuple]) -> None:
+        """Hand each streamed request's new tokens to its callback, on its loop: the first at once,
+        then at most every STREAM_EVERY_S (as a rollout worker does)."""
+        now = time.monotonic()
+        for rid, st in streamed.items():
+            if st[0] and now - st[1] < STREAM_EVERY_S:
+                continue
+            ids = self.engine.peek(rid)
+            if len(ids) > st[0]:
+                _, loop, fut, on_tokens = inflight[rid]
+                _call(loop, fut, on_tokens, st[0], np.asarray(ids[st[0]:], dtype=np.int32))
+                st[0], st[1] = len(ids), now
+
+
+def _call(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, fn, *args) -> None:
+    def call():
+        if not fut.done():
+            fn(*args)
+
+    try:
+        loop.call_soon_threadsafe(call)
+    except RuntimeError:  # the loop is closed: nobody is waiting any more
+        pass
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result=None, exc=None) -> None:

@@ -5,6 +5,9 @@ so the gateway can address a worker: requests of one session go to the same work
 (sticky, so its prefix cache stays useful), new sessions go to the least loaded live worker. Workers
 are known from their heartbeats on the hub. A request whose worker dies (or that no worker answers
 within a deadline) is sent to another worker under the same id; a late duplicate answer is dropped.
+A streamed request (``on_tokens``) gets the worker's PartialCompletions as they come; one whose worker
+dies after some of its tokens went out fails instead (another worker would sample other tokens, and
+what the client saw cannot be taken back).
 """
 
 from __future__ import annotations
@@ -36,7 +39,22 @@ class NoWorker(RuntimeError):
     """No rollout worker is alive: the client gets a 503 with this message."""
 
 
+class StreamBroken(RuntimeError):
+    """A streamed request lost its worker after part of it had been streamed."""
+
+
+class _Pending:
+    __slots__ = ("fut", "worker", "frames", "sent_at", "on_tokens", "streamed")
+
+    def __init__(self, fut, worker, frames, on_tokens):
+        self.fut, self.worker, self.frames, self.on_tokens = fut, worker, frames, on_tokens
+        self.sent_at, self.streamed = time.monotonic(), False
+
+
 class BusBackend:
+    streams_tokens = True
+    """generate takes ``on_tokens`` (the gateway streams live text through it)."""
+
     def __init__(self, ctx: zmq.Context, endpoint: str, encoder: Encoder, metrics, version_fn=lambda: 0):
         self.actx = zmq.asyncio.Context.shadow(ctx)
         self.sock = self.actx.socket(zmq.ROUTER)
@@ -50,7 +68,7 @@ class BusBackend:
         self.live: set[str] = set()
         self.load: collections.Counter[str] = collections.Counter()
         self.sticky: dict[str, str] = {}
-        self.pending: dict[str, tuple[asyncio.Future, str, list, float]] = {}
+        self.pending: dict[str, _Pending] = {}
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._task: asyncio.Task | None = None
@@ -64,12 +82,12 @@ class BusBackend:
             if worker in gone:
                 del self.sticky[session]
         if gone:
-            for rid, (fut, worker, frames, _) in list(self.pending.items()):
-                if worker in gone and not fut.done():
+            for rid, p in list(self.pending.items()):
+                if p.worker in gone and not p.fut.done():
                     try:
-                        self._send(rid, fut, frames, session=None)
-                    except NoWorker as err:  # the last worker went: this client gets a 503 now
-                        fut.set_exception(err)
+                        self._send(rid, p.fut, p.frames, None, p.on_tokens)
+                    except (NoWorker, StreamBroken) as err:  # the last worker went: this client gets a 503 now
+                        p.fut.set_exception(err)
 
     def _pick(self, session: str | None) -> str:
         if session and self.sticky.get(session) in self.live:
@@ -79,7 +97,11 @@ class BusBackend:
             self.sticky[session] = worker
         return worker
 
-    def _send(self, rid: str, fut: asyncio.Future, frames: list, session: str | None) -> None:
+    def _send(self, rid: str, fut: asyncio.Future, frames: list, session: str | None, on_tokens=None) -> None:
+        old = self.pending.get(rid)
+        if old is not None and old.streamed:
+            raise StreamBroken("the rollout worker streaming this completion is gone; what was streamed cannot "
+                               "be continued by another worker: retry the request")
         for _ in range(len(self.live)):
             worker = self._pick(session)
             # zmq.asyncio does not raise a failed send: a NOBLOCK send is tried at once and its error
@@ -91,10 +113,9 @@ class BusBackend:
                 if session:
                     self.sticky.pop(session, None)
                 continue
-            old = self.pending.get(rid)
             if old is not None:
-                self.load[old[1]] -= 1
-            self.pending[rid] = (fut, worker, frames, time.monotonic())
+                self.load[old.worker] -= 1
+            self.pending[rid] = _Pending(fut, worker, frames, on_tokens)
             self.load[worker] += 1
             return
         raise NoWorker("no rollout worker is reachable")
@@ -106,7 +127,10 @@ class BusBackend:
             self._task = asyncio.get_running_loop().create_task(self._recv_loop())
 
     # -- the Backend protocol ----------------------------------------------------------------------
-    async def generate(self, session_id: str, prompt_ids: np.ndarray, params: SamplingParams) -> m.Completion:
+    async def generate(self, session_id: str, prompt_ids: np.ndarray, params: SamplingParams,
+                       on_tokens=None) -> m.Completion:
+        """The whole completion; ``on_tokens(start, ids)`` (if given) is called with each run of tokens
+        the worker reports while it generates (``start``: their index in the output)."""
         self.start()
         waited = 0.0
         while not self.live:
@@ -118,19 +142,19 @@ class BusBackend:
         req = m.GenerateRequest(
             request_id=rid, episode_id=session_id or rid, ticket=0, min_version=0, max_tokens=params.max_tokens,
             temperature=params.temperature, top_p=params.top_p, prompt_ids=np.asarray(prompt_ids, np.int32),
-            stop=list(params.stop_token_ids))
+            stop=list(params.stop_token_ids), stream=on_tokens is not None)
         frames = self.encoder.encode(req, (self.version_fn(),))
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._send(rid, fut, frames, session_id or None)
+        self._send(rid, fut, frames, session_id or None, on_tokens)
 
         def overdue():  # one timer per request (cheaper than wait_for): resend to another worker
             nonlocal timer
             if not fut.done():
                 self.metrics.inc("gateway.resent")
                 try:
-                    self._send(rid, fut, frames, None)
-                except NoWorker as err:
+                    self._send(rid, fut, frames, None, on_tokens)
+                except (NoWorker, StreamBroken) as err:
                     fut.set_exception(err)
                     return
                 timer = loop.call_later(REQUEST_DEADLINE_S, overdue)
@@ -142,7 +166,7 @@ class BusBackend:
             timer.cancel()
             entry = self.pending.pop(rid, None)
             if entry is not None:
-                self.load[entry[1]] -= 1
+                self.load[entry.worker] -= 1
 
     async def _recv_loop(self) -> None:
         while True:
@@ -153,10 +177,20 @@ class BusBackend:
                 self.metrics.inc(f"dropped.{err.reason}")
                 continue
             entry = self.pending.get(getattr(comp, "request_id", ""))
-            if not isinstance(comp, m.Completion) or entry is None or entry[0].done():
+            if isinstance(comp, m.PartialCompletion) and entry is not None and entry.on_tokens is not None:
+                # Only from the worker the request is with now (not a late one it was taken from).
+                if not entry.fut.done() and comp.output_ids.size and frames[0].bytes == entry.worker.encode():
+                    entry.streamed = True
+                    try:
+                        entry.on_tokens(comp.start, comp.output_ids)
+                    except Exception as exc:  # deliberately tolerated: one stream's consumer must not end this loop
+                        self.metrics.inc("gateway.stream_callback_failed")
+                        entry.fut.set_exception(exc)
+                continue
+            if not isinstance(comp, m.Completion) or entry is None or entry.fut.done():
                 self.metrics.inc("gateway.unexpected_replies")
                 continue
-            entry[0].set_result(comp)
+            entry.fut.set_result(comp)
 
     def close(self) -> None:
         if self._task is not None:

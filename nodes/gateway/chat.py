@@ -49,6 +49,7 @@ TOOLS_SYSTEM_TEXT = (
     "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
 """System text describing tools for a template that ignores ``tools=`` (Qwen2.5's layout)."""
 
+TOOL_OPEN = "<tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 

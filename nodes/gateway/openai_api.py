@@ -255,28 +255,44 @@ def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens
     }
 
 
-def stream_chunks(resp: dict, pieces: list[list[str]] | None = None, include_usage: bool = False):
-    """A whole chat.completion as OpenAI's stream of chat.completion.chunk objects: per choice a role
-    chunk, content deltas (``pieces[i]``, default the whole content), tool-call deltas, a final chunk
-    with finish_reason; then a usage chunk with empty choices if asked for."""
-    base = {"id": resp["id"], "object": "chat.completion.chunk", "created": resp["created"],
-            "model": resp["model"], "system_fingerprint": None}
+class StreamChunks:
+    """The chat.completion.chunk objects of one streamed reply, in the order they go out: ``opening``
+    (a role chunk per choice), ``text`` (content deltas as they come), ``closing`` from the finished
+    completion (per choice the rest of its content, its tool calls and its finish chunk; then a usage
+    chunk with empty choices if asked for)."""
 
-    def chunk(index, delta, finish=None, logprobs=None):
-        return {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+    def __init__(self, rid: str, model: str, created: int | None = None):
+        self.base = {"id": rid, "object": "chat.completion.chunk", "created": created or int(time.time()),
+                     "model": model, "system_fingerprint": None}
 
-    for i, choice in enumerate(resp["choices"]):
-        msg = choice["message"]
-        yield chunk(i, {"role": "assistant", "content": ""})
-        content = msg.get("content") or ""
-        for piece in (pieces[i] if pieces is not None else [content] if content else []):
-            yield chunk(i, {"content": piece})
-        for k, call in enumerate(msg.get("tool_calls") or []):
-            yield chunk(i, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
-                                            "function": call["function"]}]})
-        yield chunk(i, {}, choice["finish_reason"], choice.get("logprobs"))
-    if include_usage:
-        yield {**base, "choices": [], "usage": resp.get("usage")}
+    def chunk(self, index: int, delta: dict, finish=None, logprobs=None) -> dict:
+        return {**self.base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+    def opening(self, n: int) -> list[dict]:
+        return [self.chunk(i, {"role": "assistant", "content": ""}) for i in range(n)]
+
+    def text(self, index: int, delta: str) -> list[dict]:
+        return [self.chunk(index, {"content": delta})]
+
+    def closing(self, resp: dict, rest: list[list[str]], include_usage: bool) -> list[dict]:
+        """``rest[i]``: choice i's content not yet sent, in pieces (the whole content, when nothing was)."""
+        out = []
+        for i, choice in enumerate(resp["choices"]):
+            out += [self.chunk(i, {"content": p}) for p in rest[i] if p]
+            for k, call in enumerate(choice["message"].get("tool_calls") or []):
+                out.append(self.chunk(i, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                                          "function": call["function"]}]}))
+            out.append(self.chunk(i, {}, choice["finish_reason"], choice.get("logprobs")))
+        if include_usage:
+            out.append({**self.base, "choices": [], "usage": resp.get("usage")})
+        return out
+
+
+def stream_chunks(resp: dict, include_usage: bool = False) -> list[dict]:
+    """A whole chat.completion as OpenAI's stream of chunks (a reply routed to another model)."""
+    chunks = StreamChunks(resp["id"], resp["model"], resp["created"])
+    rest = [[c["message"].get("content") or ""] for c in resp["choices"]]
+    return [*chunks.opening(len(resp["choices"])), *chunks.closing(resp, rest, include_usage)]
 
 
 def sse(obj) -> bytes:

@@ -112,6 +112,7 @@ class Session:
     outcome: float | None = None
     discount: float = 1.0
     inflight: int = 0
+    reserved: set[int] = field(default_factory=set)  # completion indices of streamed turns not yet recorded
     closing: bool = False
     ended: bool = False
 
@@ -198,12 +199,21 @@ class SessionStore:
                 b = b.parent
         return best
 
+    def reserve(self, session: Session, n: int) -> int:
+        """Completion indices for a turn whose response id must be known before it is recorded (a
+        live stream names it in its first event): the first of ``n``, passed on to ``record``. Those a
+        failed turn never records stay unknown to ``reward``."""
+        first = session.completions
+        session.completions += n
+        session.reserved.update(range(first, first + n))
+        return first
+
     def record(self, session: Session, base: Branch | None, prompt_ids, env_ids, tools_key: str,
-               choices: list[Choice]) -> list[int]:
-        """Fold one turn's choices into the session; their completion indices. ``base`` is the branch
-        the turn continued (``env_ids`` the tokens rendered after it), or None for a new segment whose
-        first prompt is ``prompt_ids``. Called when the backend returns, whether or not the client is
-        still connected."""
+               choices: list[Choice], first: int | None = None) -> list[int]:
+        """Fold one turn's choices into the session; their completion indices (from ``first``, if
+        reserved). ``base`` is the branch the turn continued (``env_ids`` the tokens rendered after
+        it), or None for a new segment whose first prompt is ``prompt_ids``. Called when the backend
+        returns, whether or not the client is still connected."""
         if session.ended:
             raise RuntimeError(f"session {session.id} ended before its turn was recorded")
         if base is None:
@@ -214,9 +224,13 @@ class SessionStore:
             segment, prompt = base.segment, base.prompt_ids
             prefix = (*base.parts, ("env", np.asarray(env_ids, dtype=np.int32)))
         indices, made = [], []
-        for ch in choices:
-            idx = session.completions
-            session.completions += 1
+        for k, ch in enumerate(choices):
+            if first is None:
+                idx = session.completions
+                session.completions += 1
+            else:
+                idx = first + k
+                session.reserved.discard(idx)
             indices.append(idx)
             made.append(Branch(prompt, (*prefix, ("comp", ch.completion, idx, ch.temperature)), tuple(ch.history),
                                tools_key, segment, ch.closed, base))
@@ -242,7 +256,7 @@ class SessionStore:
             session.discount = discount
         if completion_index is None:
             session.outcome = float(value)
-        elif 0 <= completion_index < session.completions:
+        elif 0 <= completion_index < session.completions and completion_index not in session.reserved:
             session.rewards[completion_index] = float(value)
         else:
             raise KeyError(f"session {session.id} has no completion {completion_index} "
