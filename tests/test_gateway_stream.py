@@ -32,7 +32,8 @@ from nodes.gateway.backend import LocalEngineBackend, SamplingParams
 from nodes.gateway.bus_backend import BusBackend, StreamBroken
 from nodes.gateway.chat import ChatRenderer, parse_tool_calls
 from nodes.gateway.live import TextFeed
-from tests.test_gateway_openai import ADMIN, GAME, POLICY, TEN, _one_thread, gateway, policy, tokenizer  # noqa: F401
+from tests.test_gateway_openai import (ADMIN, GAME, POLICY, TEN, WEATHER, ScriptedBackend, _one_thread, gateway,  # noqa: F401
+                                      policy, tokenizer)
 
 
 # -- TextFeed: what is sent is always the start of the final content ----------------------------------
@@ -150,6 +151,50 @@ def test_anthropic_sdk_stream_delivers_text_while_the_policy_is_still_generating
     assert early is True
     assert final.usage.output_tokens == 40 and final.stop_reason == "max_tokens"
     assert final.content[0].type == "text" and final.content[0].text
+
+
+class StreamingScript(ScriptedBackend):
+    """ScriptedBackend that reports its reply's tokens three at a time before returning it, as a rollout
+    worker does for a streamed request."""
+
+    streams_tokens = True
+
+    async def generate(self, session_id, prompt_ids, params, on_tokens=None):
+        comp = await super().generate(session_id, prompt_ids, params)
+        ids = comp.output_ids.tolist()
+        for start in range(0, len(ids) - 1, 3):  # all but the last token, then the whole completion
+            if on_tokens is not None:
+                on_tokens(start, np.asarray(ids[start:min(start + 3, len(ids) - 1)], np.int32))
+            await asyncio.sleep(0)
+        return comp
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_streamed_text_then_tool_call_matches_the_unstreamed_reply_in_both_sdks(gateway):
+    import anthropic
+
+    reply = "Let me check the weather. " + CALL
+    gw = gateway(backend=StreamingScript([reply] * 3))
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    whole = gw.client().chat.completions.create(model=POLICY, messages=msgs, tools=[WEATHER]).choices[0].message
+    chunks = list(gw.client().chat.completions.create(model=POLICY, messages=msgs, tools=[WEATHER], stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert text == whole.content == "Let me check the weather." and len(pieces) > 1  # sent in several pieces
+    assert "<tool" not in text and calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    client = anthropic.Anthropic(base_url=gw.url, api_key=ADMIN, max_retries=0)
+    tools = [{"name": "get_weather", "description": "Weather in a city.",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    with client.messages.stream(model=POLICY, max_tokens=200, tools=tools, messages=msgs) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["text", "tool_use"] and final.stop_reason == "tool_use"
+    assert final.content[0].text == "Let me check the weather." and final.content[1].input == {"city": "Paris"}
 
 
 def test_a_stream_whose_engine_cannot_report_tokens_is_sent_whole_at_the_end(gateway):
