@@ -72,6 +72,16 @@ def test_streamed_deltas_and_the_rest_always_add_up_to_the_final_content(parts, 
     assert "\ufffd" not in "".join(sent)  # never half a character
 
 
+def test_renderer_decodes_exactly_as_the_tokenizer_does():
+    tok = tokenizer()
+    renderer = ChatRenderer(tok)
+    assert renderer._fast_decode is not None  # the shipped tokenizer takes the direct path
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 2, 7, 50, 300):
+        ids = rng.integers(0, len(tok), n)
+        assert renderer.decode(ids) == renderer.decode(ids.tolist()) == tok.decode(ids.tolist(), skip_special_tokens=True)
+
+
 def test_feed_holds_back_a_possible_stop_string_until_it_is_ruled_out():
     feed = TextFeed(_byte_decode, ["END"], tools=False)
     assert feed.add(0, list(b"abcE")) == "abc"

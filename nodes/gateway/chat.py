@@ -28,6 +28,7 @@ import json
 import re
 import secrets
 
+import numpy as np
 from jinja2 import TemplateError
 
 try:  # optional: faster keys for the render cache (json's otherwise; either is exact)
@@ -137,6 +138,12 @@ class ChatRenderer:
         self._render_cache: collections.OrderedDict = collections.OrderedDict()
         self._cache_bytes = 0
         self.tok = tokenizer
+        # A tokenizers-backed tokenizer that does no clean-up decodes exactly as its Rust backend does:
+        # call that directly (transformers' wrapper costs more than the decoding, on every reply and on
+        # every streamed update).
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._fast_decode = (backend.decode if callable(getattr(backend, "decode", None))
+                             and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False else None)
         if tokenizer.eos_token is None or tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos token; the gateway needs it to close assistant turns")
         self.eos = tokenizer.eos_token
@@ -210,7 +217,10 @@ class ChatRenderer:
         return self.tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids) -> str:
-        return self.tok.decode([int(t) for t in ids], skip_special_tokens=True)
+        ids = ids.tolist() if isinstance(ids, np.ndarray) else [int(t) for t in ids]
+        if self._fast_decode is not None:
+            return self._fast_decode(ids, skip_special_tokens=True)
+        return self.tok.decode(ids, skip_special_tokens=True)
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """A whole conversation, ready for the assistant's reply."""
