@@ -66,6 +66,7 @@ def test_streamed_deltas_and_the_rest_always_add_up_to_the_final_content(parts, 
             break
         sent.append(feed.add(at, ids[at:at + n]))
         at += n
+    assert feed.done or feed._decoded() == _byte_decode(ids[:at])  # decoded a window at a time, the same text
     content = _final(_byte_decode(ids[:at]), stops, tools)
     assert "".join(sent) + feed.rest(content) == (content or "")
     assert not feed.mismatched
@@ -80,6 +81,14 @@ def test_renderer_decodes_exactly_as_the_tokenizer_does():
     for n in (0, 1, 2, 7, 50, 300):
         ids = rng.integers(0, len(tok), n)
         assert renderer.decode(ids) == renderer.decode(ids.tolist()) == tok.decode(ids.tolist(), skip_special_tokens=True)
+    # The feed decodes a window at a time: the same text as decoding the whole reply.
+    ids = rng.integers(0, len(tok), 400).tolist()
+    feed, at = TextFeed(renderer.decode, [], tools=False), 0
+    while at < len(ids):
+        n = int(rng.integers(1, 9))
+        feed.add(at, ids[at:at + n])
+        at += n
+        assert feed._decoded() == renderer.decode(ids[:at])
 
 
 def test_feed_holds_back_a_possible_stop_string_until_it_is_ruled_out():

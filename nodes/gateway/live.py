@@ -39,6 +39,8 @@ class TextFeed:
         self.tools = tools
         self.marks = [*self.stops, TOOL_OPEN] if tools else self.stops
         self.ids: list[int] = []
+        self.text = ""  # the text of ids[:read], which ends on a whole character
+        self.window = self.read = 0  # ids[window:read] are the last decoded run: context for the next
         self.sent = ""
         self.done = False  # a stop string or a tool call block began: nothing more is content
         self.mismatched = False
@@ -49,7 +51,7 @@ class TextFeed:
         if self.done:
             return ""
         self.ids.extend(int(t) for t in ids[len(self.ids) - start:])
-        text = self.decode(self.ids)
+        text = self._decoded()
         cut = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes to U+FFFD for now
         for mark in self.marks:
             at = text.find(mark)
@@ -66,6 +68,19 @@ class TextFeed:
             return ""  # nothing new, or the decoder reshaped earlier text: wait
         new, self.sent = text[len(self.sent):], text
         return new
+
+    def _decoded(self) -> str:
+        """The text of every id so far. Only the new ids and the run before them are decoded (as vLLM's
+        incremental detokenizer does), so an update costs what it adds, not the length of the reply."""
+        before = self.decode(self.ids[self.window:self.read]) if self.read > self.window else ""
+        after = self.decode(self.ids[self.window:])
+        if not after.startswith(before):  # the decoder reshapes earlier text in context: decode it all
+            self.text, self.window, self.read = "", 0, 0
+            before, after = "", self.decode(self.ids)
+        text = self.text + after[len(before):]
+        if not after.endswith("\ufffd"):  # ends on a whole character: the next window starts here
+            self.text, self.window, self.read = text, self.read, len(self.ids)
+        return text
 
     def rest(self, content: str | None) -> str:
         content = content or ""
