@@ -297,7 +297,7 @@ def test_bus_backend_hands_partials_to_on_tokens_and_a_broken_stream_fails(ctx, 
 def test_a_rollout_node_streams_its_first_token_before_the_completion():
     """Real bus, weights and rollout node processes (bench/gateway.py's system, gateway node left out):
     a streamed request gets the worker's first token at once, ahead of the completion."""
-    from bench.gateway import MODEL, WORKER, System, topology
+    from bench.gateway import WORKER, System, topology
     from areal_bus.topology import parse_topology
 
     work = Path(tempfile.mkdtemp(prefix="ab-st-", dir="/tmp"))
