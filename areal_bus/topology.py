@@ -109,6 +109,9 @@ class ModelSpec(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype for "
                                                              "training and generation.")
     device: str = Field("cpu", description="torch device for the rollout and trainer engines ('cpu', 'cuda', 'cuda:1').")
+    trainer_device: str | None = Field(None, description="torch device for the trainer when it is not model.device: "
+                                       "e.g. rollout on 'cuda:0' (device) and the trainer on 'cuda:1'. With "
+                                       "parallelism, rank r takes the GPU r places after it. None: model.device.")
     seed: int = Field(0, description="Seed for sampling and initialisation.")
     threads: int = Field(1, ge=1, le=256, description="torch CPU threads per node process. Several nodes share "
                          "the cores: one thread each avoids oversubscription on small machines.")
@@ -237,6 +240,10 @@ class Topology(_Strict):
         if (self.rollout_engine.kind == "sim") != (self.trainer_engine.kind == "sim"):
             raise ValueError("rollout_engine.kind and trainer_engine.kind must both be 'sim', or 'torch'/'vllm' "
                              "with 'torch'")
+        if self.trainer_device.startswith("cuda") and not self.model.device.startswith("cuda"):
+            raise ValueError(f"model.trainer_device {self.trainer_device!r} is a GPU but model.device "
+                             f"{self.model.device!r} is not: a trainer on a GPU hands its weights over by CUDA IPC, "
+                             f"so the rollout workers must be on a GPU of the same host too")
         if self.rollout_engine.kind == "vllm" and not re.fullmatch(r"cuda(:0)?", self.model.device):
             raise ValueError(f"rollout_engine.kind 'vllm' runs on the first GPU the process sees: model.device "
                              f"must be 'cuda' (choose the GPU with CUDA_VISIBLE_DEVICES), got {self.model.device!r}")
@@ -285,6 +292,11 @@ class Topology(_Strict):
     def node_config(self, kind: str) -> dict:
         spec = self.nodes.get(kind)
         return dict(spec.config) if spec is not None else {}
+
+    @property
+    def trainer_device(self) -> str:
+        """Where the trainer (its rank 0) runs: model.trainer_device, else model.device."""
+        return self.model.trainer_device or self.model.device
 
     @property
     def is_async(self) -> bool:

@@ -10,6 +10,7 @@ Qwen's 151,936): throughput is the point here, not what it learns. Samples/s cou
 trainer consumed after the first ``--skip`` updates (CUDA start-up and warm-up excluded).
 
 Run:  python3 bench/gpu_e2e.py                    (on the GPU machine: ~2-4 min)
+      python3 bench/gpu_e2e.py --device cuda:0 --trainer-device cuda:1   (two GPUs: rollout and trainer apart)
       .venv/bin/python bench/gpu_e2e.py --tiny --device cpu --steps 4 --skip 1   (a CPU smoke run)
 
 The last line is ``RESULT async_sps=... sync_sps=... ratio=...``.
@@ -60,7 +61,8 @@ def topology(model: Path, mode: str, args) -> dict:
         name=f"e2e-{mode}", rollout_workers=1, max_steps=args.steps, staleness_threshold=args.staleness,
         queue_max_size=4 * args.batch, trigger_batch_size=args.trigger or args.batch // 2, global_batch_size=args.batch,
         mini_batch_size=args.batch // 2, logging={"log_dir": "logs", "log_interval": 5, "save_interval": 0},
-        model={"path": str(model), "dtype": args.dtype, "device": args.device, "threads": 1 if args.device == "cpu" else 4},
+        model={"path": str(model), "dtype": args.dtype, "device": args.device, "trainer_device": args.trainer_device,
+               "threads": 1 if args.device == "cpu" else 4},
         rollout_engine={"kind": "torch", "max_batch": args.rollout_batch, "max_len": 256, "temperature": 1.0},
         trainer_engine={"kind": "torch", "eps_clip": 0.2, "behav_imp_weight_cap": 5.0, "eval_interval": 0},
         nodes={"bus": {}, "agent": {"replicas": args.agents}, "reward": {"replicas": 1}, "trainer": {}, "weights": {}},
@@ -84,6 +86,7 @@ def samples_per_second(records: list[dict], skip: int) -> tuple[float, int, floa
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--trainer-device", default=None, help="the trainer's GPU when not --device (e.g. cuda:1)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tiny", action="store_true", help="the tiny model's own shape (a smoke run)")
     ap.add_argument("--steps", type=int, default=12, help="updates per mode")
@@ -103,7 +106,8 @@ def main() -> int:
     if args.device.startswith("cuda"):
         import torch
 
-        hw = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+        hw = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}; rollout on " \
+             f"{args.device}, trainer on {args.trainer_device or args.device}"
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {hw}; policy {n / 1e6:.0f}M params ({args.dtype}), "
           f"global batch {args.batch}, trigger {args.trigger or args.batch // 2}, staleness {args.staleness}, "
           f"{args.agents} agents, {args.steps} updates per mode, first {args.skip} "

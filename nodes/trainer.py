@@ -120,7 +120,7 @@ def make_engine(topo, base=None, model_path=None):
 
     def publish(state_dict, version):
         nonlocal writer
-        if writer is None and topo.model.device.startswith("cuda"):
+        if writer is None and topo.trainer_device.startswith("cuda"):
             # One host, one or more GPUs: CUDA IPC, device to device. The handles go to the rollout
             # workers once, as a file beside the ipc sockets; each version is then an in-place copy.
             from areal_bus.weights_cuda import CudaWeightWriter, handles_path, save_handles
@@ -150,7 +150,7 @@ def make_engine(topo, base=None, model_path=None):
         return engine, None
     driver = GuessDriver(load_tokenizer(path), n=topo.agent.task_size, max_turns=topo.agent.max_turns)
     evaluator_engine = TorchRolloutEngine(path, max_batch=min(64, topo.trainer_engine.eval_episodes),
-                                          max_len=topo.rollout_engine.max_len, device=topo.model.device,
+                                          max_len=topo.rollout_engine.max_len, device=topo.trainer_device,
                                           dtype=topo.model.dtype, worker="eval",
                                           weight_loader=lambda _: engine.state_dict())
 

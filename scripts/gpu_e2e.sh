@@ -12,4 +12,4 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 printf '#!/usr/bin/env python3\nimport sys\nfrom areal_bus.cli import main\nsys.exit(main())\n' > /tmp/site/bin/areal-bus
 chmod +x /tmp/site/bin/areal-bus
-timeout 560 python3 bench/gpu_e2e.py --keep-logs "$OUT/e2e" "$@" 2>&1 | tee "$OUT/e2e.log"
+timeout "${E2E_TIMEOUT:-560}" python3 bench/gpu_e2e.py --keep-logs "$OUT/e2e" "$@" 2>&1 | tee "$OUT/e2e.log"

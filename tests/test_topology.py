@@ -165,3 +165,10 @@ def test_validate_cli_prints_the_resolved_topology(write, capsys):
 def test_validate_cli_on_a_missing_file_exits_2(tmp_path, capsys):
     assert main(["validate", str(tmp_path / "nope.yaml")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_trainer_device_defaults_to_the_models_and_a_gpu_trainer_needs_gpu_rollout(write):
+    assert load_topology(write("model: {device: cuda}\n")).trainer_device == "cuda"
+    assert load_topology(write("model: {device: 'cuda:0', trainer_device: 'cuda:1'}\n")).trainer_device == "cuda:1"
+    msg = _error(write("model: {device: cpu, trainer_device: 'cuda:1'}\n"))
+    assert "model.trainer_device" in msg and "CUDA IPC" in msg

@@ -87,7 +87,7 @@ def rank_device(device: str, rank: int) -> torch.device:
         return dev
     index = (dev.index or 0) + rank
     if index >= torch.cuda.device_count():
-        raise ValueError(f"trainer rank {rank} needs GPU cuda:{index} (model.device {device!r}, one GPU per "
+        raise ValueError(f"trainer rank {rank} needs GPU cuda:{index} (trainer device {device!r}, one GPU per "
                          f"rank) but this host has {torch.cuda.device_count()}")
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
@@ -201,7 +201,7 @@ class ParallelTrainEngine(TorchTrainEngine):
         par = topo.parallelism
         self.dp_size, self.tp_size = par.dp, par.tp
         self.group = group
-        device = rank_device(topo.model.device, group.rank)
+        device = rank_device(topo.trainer_device, group.rank)
         self.mesh = make_mesh(par.dp, par.tp, device.type)
         self._weights: dict[str, torch.Tensor] | None = None  # rank 0: the gathered weights of this version
         super().__init__(topo, model_path, publish=publish, dp=group, device=device)
@@ -298,7 +298,7 @@ def start(topo, topology_path: str | Path, model_path: str | Path, publish=None)
     """Rank 0 (the trainer node): check the layout against the model, start ranks 1..N-1, and build
     this rank's engine."""
     check_tp(ModelConfig.from_hf(model_path), topo.parallelism.tp, f"model.path {model_path}")
-    group = RankGroup.launch(topo.train_workers, str(topology_path), str(model_path), backend_for(topo.model.device))
+    group = RankGroup.launch(topo.train_workers, str(topology_path), str(model_path), backend_for(topo.trainer_device))
     return ParallelTrainEngine(topo, model_path, group=group, publish=publish)
 
 

@@ -58,7 +58,7 @@ class TorchTrainEngine:
         self.cfg = cfg
         self.topo = topo
         self.model_path = Path(model_path)
-        self.device = torch.device(device or topo.model.device)
+        self.device = torch.device(device or topo.trainer_device)
         self.dtype = as_dtype(topo.model.dtype)
         torch.manual_seed(topo.model.seed)
         self.model = self._prepare_model(
