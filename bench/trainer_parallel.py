@@ -65,7 +65,7 @@ def bench_topology(args, dp: int, tp: int) -> SimpleNamespace:
                                        adv_leave_one_out=False),
         model=SimpleNamespace(device=args.device, dtype=args.dtype, seed=0, threads=1),
         rollout_engine=SimpleNamespace(temperature=1.0),
-        learning_rate=args.lr, mini_batch_size=args.mini_batch, train_workers=dp * tp,
+        trainer_device=args.device, learning_rate=args.lr, mini_batch_size=args.mini_batch, train_workers=dp * tp,
         parallelism=SimpleNamespace(dp=dp, tp=tp, pp=1, cp=1, ep=1))
 
 

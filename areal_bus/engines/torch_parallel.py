@@ -210,6 +210,12 @@ class ParallelTrainEngine(TorchTrainEngine):
         check_tp(model.cfg, self.tp_size, f"model.path {self.model_path}")
         return parallelize(model, self.mesh)
 
+    def _optimizer_options(self) -> dict:
+        # With tp the layers' projections are DTensors beside tensors of another kind (plain, or on the
+        # dp mesh); AdamW's multi-tensor path (CUDA's default) refuses to mix them in one call, so step
+        # them one by one (the path CPU takes by default, which the gloo parity tests check).
+        return {"foreach": False} if self.tp_size > 1 else {}
+
     def _data_shard(self) -> tuple[int, int]:
         return self.mesh.get_local_rank("dp"), self.dp_size
 
