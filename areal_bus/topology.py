@@ -41,6 +41,10 @@ class Parallelism(_Strict):
     pp: int = Field(1, ge=1, le=64, description="Pipeline-parallel degree of the trainer.")
     cp: int = Field(1, ge=1, le=64, description="Context-parallel degree of the trainer.")
     ep: int = Field(1, ge=1, le=64, description="Expert-parallel degree of the trainer.")
+    reshard_after_forward: bool = Field(True, description="dp: free each layer's gathered weights after its "
+                                        "forward and gather them again for backward (FSDP2's default: least "
+                                        "memory). false keeps them to backward: half the all-gathers and their "
+                                        "copies, for a model whose full weights fit each GPU many times over.")
 
     @model_validator(mode="after")
     def _supported(self):

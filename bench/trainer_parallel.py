@@ -66,7 +66,7 @@ def bench_topology(args, dp: int, tp: int) -> SimpleNamespace:
         model=SimpleNamespace(device=args.device, dtype=args.dtype, seed=0, threads=1),
         rollout_engine=SimpleNamespace(temperature=1.0),
         trainer_device=args.device, learning_rate=args.lr, mini_batch_size=args.mini_batch, train_workers=dp * tp,
-        parallelism=SimpleNamespace(dp=dp, tp=tp, pp=1, cp=1, ep=1))
+        parallelism=SimpleNamespace(dp=dp, tp=tp, pp=1, cp=1, ep=1, reshard_after_forward=not args.keep_gathered))
 
 
 def make_batch(step: int, rows: int, seq: int, vocab: int) -> dict[str, torch.Tensor]:
@@ -95,6 +95,13 @@ def rank_main(rank: int, dp: int, tp: int, args, model_path: str, init: str, que
     dev = engine.device
     vocab = engine.model.cfg.vocab_size
     out = []
+    prof = None
+    if args.profile and rank == 0:  # the updates after warm-up, on rank 0: where a layout's time goes
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        prof = profile(activities=acts, schedule=schedule(wait=args.warmup, warmup=0, active=args.steps - args.warmup))
+        prof.start()
     for step in range(args.steps):
         data = make_batch(step, args.batch, args.seq, vocab)
         if dev.type == "cuda":
@@ -105,6 +112,15 @@ def rank_main(rank: int, dp: int, tp: int, args, model_path: str, init: str, que
             torch.cuda.synchronize(dev)
         out.append({"loss": stats["loss"], "grad_norm": stats["grad_norm"], "s": time.perf_counter() - t0,
                     "tokens": int(data["attn"].sum())})
+        if prof is not None:
+            prof.step()
+    if prof is not None:
+        prof.stop()
+        key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        print(f"# profile dp={dp} tp={tp}, rank 0, updates {args.warmup + 1}..{args.steps}", flush=True)
+        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60), flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60),
+              flush=True)
     if rank == 0:
         mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0
         queue.put({"steps": out, "max_mem_gib": mem})
@@ -148,6 +164,8 @@ def main(argv=None) -> int:
     p.add_argument("--mini-batch", type=int, default=None, help="rows per optimizer step (default 8; --tiny 4)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--threads", type=int, default=1, help="cpu: torch threads per rank")
+    p.add_argument("--keep-gathered", action="store_true", help="dp: parallelism.reshard_after_forward false")
+    p.add_argument("--profile", action="store_true", help="print rank 0's torch profile of each layout's timed updates")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     args.steps = args.steps or (4 if args.tiny else 6)

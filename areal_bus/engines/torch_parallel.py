@@ -105,8 +105,9 @@ def make_mesh(dp: int, tp: int, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def parallelize(model: CausalLM, mesh: DeviceMesh) -> CausalLM:
-    """Shard ``model`` in place over ``mesh`` ("dp", "tp"): tensor parallel first, then FSDP2."""
+def parallelize(model: CausalLM, mesh: DeviceMesh, reshard_after_forward: bool = True) -> CausalLM:
+    """Shard ``model`` in place over ``mesh`` ("dp", "tp"): tensor parallel first, then FSDP2
+    (``reshard_after_forward``: parallelism.reshard_after_forward)."""
     dp, tp = mesh["dp"].size(), mesh["tp"].size()
     if tp > 1:
         check_tp(model.cfg, tp)
@@ -118,7 +119,7 @@ def parallelize(model: CausalLM, mesh: DeviceMesh) -> CausalLM:
             layer.self_attn.n_kv //= tp
     if dp > 1:
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
         # The root's parameters (embedding, lm_head) are needed again at once by backward: keep them.
         fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
     return model
@@ -198,23 +199,27 @@ class ParallelTrainEngine(TorchTrainEngine):
     engine does; the others follow its commands (``main``)."""
 
     def __init__(self, topo, model_path: str | Path, *, group: RankGroup, publish=None):
-        par = topo.parallelism
+        par = self.parallelism = topo.parallelism
         self.dp_size, self.tp_size = par.dp, par.tp
         self.group = group
         device = rank_device(topo.trainer_device, group.rank)
         self.mesh = make_mesh(par.dp, par.tp, device.type)
         self._weights: dict[str, torch.Tensor] | None = None  # rank 0: the gathered weights of this version
         super().__init__(topo, model_path, publish=publish, dp=group, device=device)
+        self._step_one_by_one()
 
     def _prepare_model(self, model):
         check_tp(model.cfg, self.tp_size, f"model.path {self.model_path}")
-        return parallelize(model, self.mesh)
+        return parallelize(model, self.mesh, getattr(self.parallelism, "reshard_after_forward", True))
 
-    def _optimizer_options(self) -> dict:
+    def _step_one_by_one(self) -> None:
         # With tp the layers' projections are DTensors beside tensors of another kind (plain, or on the
         # dp mesh); AdamW's multi-tensor path (CUDA's default) refuses to mix them in one call, so step
-        # them one by one (the path CPU takes by default, which the gloo parity tests check).
-        return {"foreach": False} if self.tp_size > 1 else {}
+        # them one by one (the path CPU takes by default, which the gloo parity tests check). Set on the
+        # groups, not saved: load_state_dict brings back the checkpoint's (single-process) options.
+        if self.tp_size > 1:
+            for group in self.opt.param_groups:
+                group["foreach"] = False
 
     def _data_shard(self) -> tuple[int, int]:
         return self.mesh.get_local_rank("dp"), self.dp_size
@@ -267,7 +272,8 @@ class ParallelTrainEngine(TorchTrainEngine):
                     v = v.full_tensor() if isinstance(v, DTensor) else v
                     entry[k] = v.to("cpu", copy=True) if keep else None
                 state[i] = entry
-        return {"state": state, "param_groups": sd["param_groups"]} if keep else None
+        groups = [{**g, "foreach": None} for g in sd["param_groups"]]  # as the single-process engine saves them
+        return {"state": state, "param_groups": groups} if keep else None
 
     def _save_weights(self, folder: Path) -> None:
         save_state_dict(self.model.cfg, self.state_dict(), folder)
@@ -298,6 +304,7 @@ class ParallelTrainEngine(TorchTrainEngine):
                 entry[k] = v
             sharded[i] = entry
         self.opt.load_state_dict({"state": sharded, "param_groups": state["param_groups"]})
+        self._step_one_by_one()
 
 
 def start(topo, topology_path: str | Path, model_path: str | Path, publish=None) -> ParallelTrainEngine:

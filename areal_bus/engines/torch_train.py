@@ -67,17 +67,13 @@ class TorchTrainEngine:
         if cfg.kl_coef > 0:
             self.ref = load_pretrained(self.model_path, self.device, self.dtype).eval().requires_grad_(False)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=topo.learning_rate, betas=(0.9, 0.999),
-                                     weight_decay=0.0, **self._optimizer_options())
+                                     weight_decay=0.0)
         self.temperature = topo.rollout_engine.temperature
         self.mini_batch = topo.mini_batch_size
         self.publish = publish  # callable(state_dict, version) -> (location, nbytes)
         self.dp = dp  # the other ranks (torch_dp.DataParallel) a parallel engine hands each batch to
 
     # -- what a parallel layout (torch_parallel.ParallelTrainEngine) replaces ------------------
-    def _optimizer_options(self) -> dict:
-        """Extra AdamW arguments (a parallel engine's sharded parameters may need some)."""
-        return {}
-
     def _prepare_model(self, model):
         """The model to train; a parallel engine shards it here, before the optimizer takes its parameters."""
         return model
