@@ -113,6 +113,7 @@ class Session:
     discount: float = 1.0
     inflight: int = 0
     reserved: set[int] = field(default_factory=set)  # completion indices of streamed turns not yet recorded
+    index: dict = field(default_factory=dict)  # (tools key, prefix hash of its history) -> branches, in record order
     closing: bool = False
     ended: bool = False
 
@@ -122,6 +123,15 @@ def key_digest(secret: str) -> bytes:
     (aiohttp decodes them as lone surrogates) hashes to a digest that matches nothing, not an error."""
     return hashlib.sha256(secret.encode("utf-8", "surrogateescape")).digest()
 
+
+
+def _prefix_hashes(history) -> list[int]:
+    """hashes[n - 1] stands for history[:n] (a hash of the hash before and the n-th message)."""
+    h, out = 0, []
+    for message in history:
+        h = hash((h, message))
+        out.append(h)
+    return out
 
 
 class SessionStore:
@@ -187,17 +197,18 @@ class SessionStore:
         reply as it was returned) is a strict prefix of the request's messages, under the same tools.
         Earlier points of a branch count too: a request re-sent after its turn was recorded (an SDK
         retry after a timeout, a "regenerate") forks there instead of starting a new segment."""
-        best, seen = None, set()
-        for tip in session.branches:
-            b = tip
-            while b is not None and id(b) not in seen:
-                seen.add(id(b))
-                n = len(b.history)
-                if b.tools_key == tools_key and n < len(history) and tuple(history[:n]) == b.history \
-                        and (best is None or n > len(best.history)):
-                    best = b
-                b = b.parent
-        return best
+        # Every point of every branch is indexed by a hash of its history, chained message by message,
+        # so a request looks up each of its own prefixes once: linear in its length, not in the
+        # session's (a walk over every branch point cost a millisecond a request at 400 turns).
+        hashes = _prefix_hashes(history)
+        for n in range(len(history) - 1, 0, -1):
+            found = session.index.get((tools_key, hashes[n - 1]))
+            if found:
+                prefix = tuple(history[:n])
+                for b in found:  # a hash match is checked against the history itself
+                    if b.history == prefix:
+                        return b
+        return None
 
     def reserve(self, session: Session, n: int) -> int:
         """Completion indices for a turn whose response id must be known before it is recorded (a
@@ -234,6 +245,8 @@ class SessionStore:
             indices.append(idx)
             made.append(Branch(prompt, (*prefix, ("comp", ch.completion, idx, ch.temperature)), tuple(ch.history),
                                tools_key, segment, ch.closed, base))
+        for branch in made:
+            session.index.setdefault((tools_key, _prefix_hashes(branch.history)[-1]), []).append(branch)
         if base is not None and any(b is base for b in session.branches):
             at = next(i for i, b in enumerate(session.branches) if b is base)
             session.branches[at:at + 1] = made[:1]  # the continued tip is now a prefix of its extension
