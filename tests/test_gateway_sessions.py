@@ -377,3 +377,26 @@ def test_two_hundred_concurrent_sessions_each_emit_one_trajectory(gateway):
     assert all(t.loss_mask.sum() == t.output_ids.size > 0 for t in gw.emitted)
     # continuous batching: requests that arrive while others decode join the running batch
     assert gw.backend.engine.steps < sum(t.output_ids.size for t in gw.emitted) / 2
+
+
+def test_a_long_session_keeps_extending_one_branch_and_a_retry_forks_at_its_turn():
+    store = SessionStore()
+    session, _ = store.create()
+    history, turns = [("user", "start", ())], 300
+    points = []
+    for t in range(turns):
+        base = store.match(session, history, "")
+        assert (base is None) == (t == 0) and (base is None or len(base.history) == len(history) - 1)
+        reply = ("assistant", f"reply {t}", ())
+        comp = Completion(f"r{t}", session.id, 0, "w", np.array([t], np.int32), np.zeros(1, np.float32),
+                          np.zeros(1, np.int32), "stop")
+        store.record(session, base, np.array([1, 2], np.int32), [7], "",
+                     [Choice(comp, {"role": "assistant", "content": reply[1]}, True, (*history, reply))])
+        points.append(list(history))
+        history = [*history, reply, ("user", f"feedback {t}", ())]
+    assert len(session.branches) == 1 and session.segments == 1
+    retry = store.match(session, points[120], "")  # turn 120's request again: continues from turn 119's reply
+    assert retry is not None and len(retry.history) == len(points[120]) - 1
+    assert store.match(session, points[120], "other tools") is None
+    [traj] = store.end(session)
+    assert traj.meta["completions"] == list(range(turns))
