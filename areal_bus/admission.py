@@ -134,6 +134,11 @@ class Admission:
     def admit(self, n: int = 1) -> None:
         self.admitted += n
 
+    def abandon(self, n: int = 1) -> None:
+        """Slots of episodes this source gave up before the trainer saw them (a rollout worker refused
+        a turn): free again. Not ``give_back``, whose count follows the trainer's stale totals."""
+        self.admitted -= n
+
     def give_back(self, n: int = 1) -> None:
         """Slots of episodes that will never be trained on (dropped as stale) return to the pool."""
         self.admitted -= n

@@ -115,6 +115,8 @@ class Completion:
     versions: np.ndarray
     finish_reason: str = "length"
     gen_seconds: float = 0.0
+    error: str = ""
+    """Non-empty when the worker refused the request (why: a prompt longer than its cache, ...); no tokens."""
 
 
 @message("part")

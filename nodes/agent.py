@@ -82,6 +82,7 @@ class EpisodeSource:
         self.count = 0
         self.version = 0
         self.finished = False
+        self.abandoned = 0  # episodes given up because a worker refused a turn
         self.requests: dict[str, _Req] = {}  # generation requests not yet completed
         self.episodes: dict[str, _Episode] = {}  # episodes being played
         self.to_send: list[m.GenerateRequest] = []  # requests ZeroMQ has not taken yet
@@ -130,6 +131,11 @@ class EpisodeSource:
         """Fold a completion into its episode; the finished Trajectory when the episode is over."""
         if self.requests.pop(comp.request_id, None) is None:
             return None  # a reissued request completed twice, or a stranger's: already handled
+        if comp.error:  # a worker refused the turn: the episode cannot go on; its slot is free again
+            self.episodes.pop(comp.episode_id, None)
+            self.admission.abandon(1)
+            self.abandoned += 1
+            return None
         ep = self.episodes[comp.episode_id]
         ep.record.add_completion(comp)
         env_ids, done, reward = self.driver.advance(ep.state, ep.record, comp)
@@ -234,7 +240,12 @@ def run(topo, replica: int = 0, base=None) -> int:
                 if not isinstance(comp, m.Completion):
                     inbox.drop("wrong_type", type(comp).__name__)
                     continue
+                abandoned = src.abandoned
                 traj = src.on_completion(comp, now)
+                if src.abandoned > abandoned:
+                    shell.metrics.inc("episodes_abandoned")
+                    shell.log.warning("episode_abandoned", episode=comp.episode_id, worker=comp.worker,
+                                      error=comp.error[:200])
                 if traj is not None:
                     ledger.write("produced", ids=[traj.traj_id])
                     sender.offer(traj.traj_id, traj, (traj.start_version,))

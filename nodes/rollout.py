@@ -153,6 +153,25 @@ def run(topo, replica: int = 0, base=None) -> int:
     reply_of: dict[str, int] = {}  # request id -> agent replica that asked (-1 - j: gateway j)
     announced = None
     serving = ("", engine.version)  # (lineage, version) of the weights this worker decodes with
+    def answer(comp: m.Completion) -> None:
+        to = reply_of.pop(comp.request_id, 0)
+        streams.pop(comp.request_id, None)
+        (replies[to] if to >= 0 else gw_out[-1 - to]).offer(comp.request_id, comp, (int(comp.versions.min(initial=0)),))
+
+    def begin(req: m.GenerateRequest) -> None:
+        """Into the running batch, or, for a request the engine cannot run (a prompt longer than its
+        cache, ...), an answer saying why: never an exception, which would end this worker and then,
+        resent, every other."""
+        try:
+            engine.add_request(req)
+        except ValueError as exc:
+            shell.metrics.inc("requests_refused")
+            shell.log.warning("request_refused", request=req.request_id, error=str(exc)[:300])
+            empty = np.zeros(0, np.int32)
+            answer(m.Completion(request_id=req.request_id, episode_id=req.episode_id, ticket=req.ticket,
+                                worker=shell.node_id, output_ids=empty, logprobs=np.zeros(0, np.float32),
+                                versions=empty, finish_reason="error", error=str(exc)[:1000]))
+
     shell.announce_start(engine=topo.rollout_engine.kind, max_batch=topo.rollout_engine.max_batch)
     shell.start_heartbeat()
     poller = zmq.Poller()
@@ -189,7 +208,7 @@ def run(topo, replica: int = 0, base=None) -> int:
                                                                lineage=serving[0]))
             for req in [r for r in waiting if r.min_version <= engine.version]:
                 waiting.remove(req)
-                engine.add_request(req)
+                begin(req)
             backed_up = any(r.full for r in (*replies, *gw_out))
             # Gateway requests first: a person (or an agent) is waiting on each of them.
             for j, rx in [*enumerate(gw_in), (None, inbox)]:
@@ -207,14 +226,11 @@ def run(topo, replica: int = 0, base=None) -> int:
                     reply_of[req.request_id] = req.reply_to if j is None else -1 - j
                     if req.stream and j is not None and peek is not None:
                         streams[req.request_id] = [j, 0, 0.0]
-                    (waiting.append if req.min_version > engine.version else engine.add_request)(req)
+                    (waiting.append if req.min_version > engine.version else begin)(req)
             shell.inflight = engine.running_ids + [r.request_id for r in waiting]
             finished = engine.step() if engine.running_ids else []
             for comp in finished:
-                streams.pop(comp.request_id, None)
-                to = reply_of.pop(comp.request_id, 0)
-                (replies[to] if to >= 0 else gw_out[-1 - to]).offer(
-                    comp.request_id, comp, (int(comp.versions.min(initial=0)),))
+                answer(comp)
                 shell.metrics.inc("samples")
                 shell.metrics.inc("tokens", int(comp.output_ids.size))
                 line = steplog.add(comp, engine.version)

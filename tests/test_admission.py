@@ -215,3 +215,25 @@ def test_a_run_never_stalls_however_many_run_states_the_hub_loses(seed, loss):
     assert version >= 300 * (1 - loss) / 3, "the run stalled"
     adm.follow(_state(version, totals[0], {"a": list(totals)}), "a")
     assert adm.admitted == in_flight + adm.consumed
+
+
+def test_an_episode_a_worker_refused_frees_its_slot_and_the_trainers_stale_totals_still_count():
+    import numpy as np
+
+    from areal_bus import messages as m
+    from areal_bus.topology import Topology
+    from nodes.agent import EpisodeSource
+
+    src = EpisodeSource(Topology(), replica=0, replicas=1)
+    started = src.start_episodes(now=0.0)
+    assert started > 0 and src.admission.capacity(0) == 0
+    req = src.to_send[0]
+    empty = np.zeros(0, np.int32)
+    refused = m.Completion(request_id=req.request_id, episode_id=req.episode_id, ticket=req.ticket, worker="rollout-0",
+                           output_ids=empty, logprobs=np.zeros(0, np.float32), versions=empty, finish_reason="error",
+                           error="request x: prompt of 2000 tokens, need 1..1023")
+    assert src.on_completion(refused, now=1.0) is None
+    assert req.episode_id not in src.episodes and src.abandoned == 1
+    assert src.admission.capacity(0) == 1  # the slot is free again
+    src.admission.sync("trainer-a", consumed=0, stale=2)  # the trainer's own stale drops: returned on top
+    assert src.admission.capacity(0) == 3

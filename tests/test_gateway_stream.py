@@ -293,11 +293,11 @@ def test_bus_backend_hands_partials_to_on_tokens_and_a_broken_stream_fails(ctx, 
         backend.close()
 
 
-@pytest.mark.timeout(240)
-def test_a_rollout_node_streams_its_first_token_before_the_completion():
+@pytest.fixture(scope="module")
+def rollout_node():
     """Real bus, weights and rollout node processes (bench/gateway.py's system, gateway node left out):
-    a streamed request gets the worker's first token at once, ahead of the completion."""
-    from bench.gateway import WORKER, System, topology
+    (topology, system). Each test binds the gateway's side of gwork itself (a BusBackend)."""
+    from bench.gateway import System, topology
     from areal_bus.topology import parse_topology
 
     work = Path(tempfile.mkdtemp(prefix="ab-st-", dir="/tmp"))
@@ -307,36 +307,69 @@ def test_a_rollout_node_streams_its_first_token_before_the_completion():
     (work / "topology.yaml").write_text(yaml.safe_dump(topo_dict, sort_keys=False))
     topo = parse_topology(json.loads(json.dumps(topo_dict).replace("${AREAL_BUS_ADMIN_TOKEN}", token)),
                           str(work / "topology.yaml"))
-    env = dict(os.environ, AREAL_BUS_ADMIN_TOKEN=token, PYTHONUNBUFFERED="1")
-    system = System(work / "topology.yaml", work, env)
+    system = System(work / "topology.yaml", work, dict(os.environ, AREAL_BUS_ADMIN_TOKEN=token, PYTHONUNBUFFERED="1"))
+    try:
+        for kind in ("bus", "weights", "rollout"):
+            system.start(kind)
+        yield topo, system
+    finally:
+        system.stop()
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _ask_node(topo, system, calls):
+    """Run ``await calls(backend)`` against the rollout node once its DEALER has connected to us."""
+    from bench.gateway import WORKER
+
     ctx = zmq.Context()
     backend = BusBackend(ctx, topo.endpoint("gwork", 0), Encoder("test"), Metrics())
     prompt = np.asarray(ChatRenderer(tokenizer()).prompt_ids(TEN, None), np.int32)
 
-    async def ask():
-        backend.set_live({WORKER})
-        seen = []
+    async def run():
         for _ in range(600):  # until the worker's DEALER is connected (it starts after torch imports)
+            backend.set_live({WORKER})
             try:
-                comp = await backend.generate("", prompt, SamplingParams(max_tokens=8, temperature=0.0),
-                                              on_tokens=lambda start, ids: seen.append((start, ids.tolist())))
-                return comp, seen
+                await backend.generate("", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+                break
             except Exception:  # NoWorker while the worker is not up yet
                 system.check()
-                backend.set_live({WORKER})
                 await asyncio.sleep(0.3)
-        raise AssertionError(f"the rollout worker never answered; logs in {work}")
+        else:
+            raise AssertionError(f"the rollout worker never answered; logs in {system.work}")
+        return await calls(backend, prompt)
 
     try:
-        for kind in ("bus", "weights", "rollout"):
-            system.start(kind)
-        comp, seen = asyncio.run(ask())
+        return asyncio.run(run())
     finally:
-        system.stop()
         backend.close()
         ctx.destroy(linger=0)
+
+
+@pytest.mark.timeout(240)
+def test_a_rollout_node_streams_its_first_token_before_the_completion(rollout_node):
+    async def calls(backend, prompt):
+        seen = []
+        comp = await backend.generate("", prompt, SamplingParams(max_tokens=8, temperature=0.0),
+                                      on_tokens=lambda start, ids: seen.append((start, ids.tolist())))
+        return comp, seen
+
+    comp, seen = _ask_node(*rollout_node, calls)
     assert comp.output_ids.size >= 2, comp  # "10" then eos at temperature 0
     assert seen and seen[0] == (0, [int(comp.output_ids[0])])
     got = [t for _, ids in seen for t in ids]
     assert got == comp.output_ids[:len(got)].tolist() and len(got) < comp.output_ids.size
-    shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.mark.timeout(240)
+def test_a_rollout_node_answers_a_request_it_cannot_run_and_keeps_serving(rollout_node):
+    topo, system = rollout_node
+
+    async def calls(backend, prompt):
+        too_long = np.ones(topo.rollout_engine.max_len + 5, np.int32)
+        with pytest.raises(ValueError, match="prompt of"):
+            await backend.generate("", too_long, SamplingParams(max_tokens=4))
+        return await backend.generate("", prompt, SamplingParams(max_tokens=4, temperature=0.0))
+
+    comp = _ask_node(topo, system, calls)
+    assert comp.output_ids.size >= 1 and not comp.error
+    system.check()  # the worker is still the one that started: it did not exit

@@ -190,7 +190,10 @@ class BusBackend:
             if not isinstance(comp, m.Completion) or entry is None or entry.fut.done():
                 self.metrics.inc("gateway.unexpected_replies")
                 continue
-            entry.fut.set_result(comp)
+            if comp.error:  # the worker refused it: the client's request, answered as a 400
+                entry.fut.set_exception(ValueError(comp.error))
+            else:
+                entry.fut.set_result(comp)
 
     def close(self) -> None:
         if self._task is not None:
