@@ -153,10 +153,12 @@ def run(topo, replica: int = 0, base=None) -> int:
     reply_of: dict[str, int] = {}  # request id -> agent replica that asked (-1 - j: gateway j)
     announced = None
     serving = ("", engine.version)  # (lineage, version) of the weights this worker decodes with
+
     def answer(comp: m.Completion) -> None:
         to = reply_of.pop(comp.request_id, 0)
         streams.pop(comp.request_id, None)
-        (replies[to] if to >= 0 else gw_out[-1 - to]).offer(comp.request_id, comp, (int(comp.versions.min(initial=0)),))
+        (replies[to] if to >= 0 else gw_out[-1 - to]).offer(
+            comp.request_id, comp, (int(comp.versions.min(initial=0)),))
 
     def begin(req: m.GenerateRequest) -> None:
         """Into the running batch, or, for a request the engine cannot run (a prompt longer than its
