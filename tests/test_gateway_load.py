@@ -15,7 +15,6 @@ import asyncio
 import concurrent.futures
 import json
 import secrets
-import statistics
 import threading
 import time
 
@@ -107,10 +106,12 @@ def test_a_soak_grows_neither_memory_nor_descriptors(loaded):
     rss, fds = [r[1] for r in rows], [r[2] for r in rows]
     print(f"soak: {len(tally.ended)} sessions in {wall:.0f} s; RSS {[round(x) for x in rss]} MiB; fds {fds}")
     assert len(tally.ended) >= 200 and len(rows) >= 8
-    # The first third settles (200 agents' first sessions); then the level of the last third (its median:
-    # RSS wobbles by several MiB as the allocator takes and returns arenas) is that of the middle third.
+    # The first third settles (200 agents' first sessions); then the floor of the last third is that of the
+    # middle third. The floor (the lowest sample), not the median: RSS spikes by up to ~12 MiB for a sample
+    # or two as the allocator takes and returns arenas (seen: 397, 408, 409, 398), while a leak raises
+    # every sample, the lowest too.
     third = len(rows) // 3
-    assert statistics.median(rss[-third:]) - statistics.median(rss[third:2 * third]) <= 6, rss
+    assert min(rss[-third:]) - min(rss[third:2 * third]) <= 6, rss
     assert max(fds[third:]) - min(fds[third:]) <= FD_SLACK, fds
 
 

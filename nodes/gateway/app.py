@@ -330,7 +330,7 @@ class Gateway(RLRoutes):
         base = self.store.match(session, history, tools_key) if session is not None else None
         try:
             if base is not None:
-                env_ids = self.renderer.continuation_ids(messages[len(base.history):], tools, base.closed)
+                env_ids = self.renderer.continuation_ids(messages[base.depth:], tools, base.closed)
                 prompt = np.concatenate([base.next_prompt(), np.asarray(env_ids, dtype=np.int32)])
             else:
                 env_ids = None

@@ -75,17 +75,49 @@ class Choice:
 
 @dataclass(frozen=True, slots=True)
 class Branch:
-    """A linear record: a first prompt, then ("env", ids) and ("comp", Completion, index, temperature)
-    parts. Immutable: extending a branch makes a new one, so a concurrent turn can fork from the old."""
+    """A point of the record: a first prompt, then ("env", ids) and ("comp", Completion, index,
+    temperature) parts, as this point and the points before it (``parent``) hold them. Each point keeps
+    only what its turn added (the environment tokens and the completion, and the new messages), so a
+    session of T turns holds O(T) of them, not O(T^2). Immutable: extending a branch makes a new point,
+    so a concurrent turn can fork from the old."""
 
     prompt_ids: np.ndarray
-    parts: tuple
-    history: tuple
+    own_parts: tuple
+    own_history: tuple
+    depth: int
+    """len(history): the messages this point stands for (canonical, this turn's reply included)."""
+    key: int
+    """_prefix_hashes(history)[-1]: what SessionStore.match looks this point up by."""
     tools_key: str
     segment: int
     closed: bool
     parent: Branch | None = None
-    """The branch this one extended: a request may continue from any earlier point, not just a tip."""
+    """The point this one extended: a request may continue from any earlier point, not just a tip."""
+
+    def _chain(self) -> list[Branch]:
+        chain, b = [], self
+        while b is not None:
+            chain.append(b)
+            b = b.parent
+        return chain[::-1]
+
+    @property
+    def parts(self) -> tuple:
+        return tuple(p for b in self._chain() for p in b.own_parts)
+
+    @property
+    def history(self) -> tuple:
+        return tuple(m for b in self._chain() for m in b.own_history)
+
+    def holds(self, history) -> bool:
+        """history[:self.depth] is this point's history (compared point by point: no whole copy)."""
+        b, end = self, self.depth
+        while b is not None:
+            start = end - len(b.own_history)
+            if start < 0 or tuple(history[start:end]) != b.own_history:
+                return False
+            b, end = b.parent, start
+        return end == 0
 
     def next_prompt(self) -> np.ndarray:
         ids = [p[1].output_ids if p[0] == "comp" else p[1] for p in self.parts]
@@ -125,9 +157,10 @@ def key_digest(secret: str) -> bytes:
 
 
 
-def _prefix_hashes(history) -> list[int]:
-    """hashes[n - 1] stands for history[:n] (a hash of the hash before and the n-th message)."""
-    h, out = 0, []
+def _prefix_hashes(history, h: int = 0) -> list[int]:
+    """hashes[n - 1] stands for history[:n] (a hash of the hash before and the n-th message); ``h``:
+    the hash of the messages before ``history`` (0: none)."""
+    out = []
     for message in history:
         h = hash((h, message))
         out.append(h)
@@ -202,12 +235,9 @@ class SessionStore:
         # session's (a walk over every branch point cost a millisecond a request at 400 turns).
         hashes = _prefix_hashes(history)
         for n in range(len(history) - 1, 0, -1):
-            found = session.index.get((tools_key, hashes[n - 1]))
-            if found:
-                prefix = tuple(history[:n])
-                for b in found:  # a hash match is checked against the history itself
-                    if b.history == prefix:
-                        return b
+            for b in session.index.get((tools_key, hashes[n - 1]), ()):
+                if b.depth == n and b.holds(history):  # a hash match is checked against the messages
+                    return b
         return None
 
     def reserve(self, session: Session, n: int) -> int:
@@ -229,11 +259,11 @@ class SessionStore:
             raise RuntimeError(f"session {session.id} ended before its turn was recorded")
         if base is None:
             session.segments += 1
-            segment, prefix = session.segments, ()
+            segment, prefix, depth, key = session.segments, (), 0, 0
             prompt = np.asarray(prompt_ids, dtype=np.int32)
         else:
-            segment, prompt = base.segment, base.prompt_ids
-            prefix = (*base.parts, ("env", np.asarray(env_ids, dtype=np.int32)))
+            segment, prompt, depth, key = base.segment, base.prompt_ids, base.depth, base.key
+            prefix = (("env", np.asarray(env_ids, dtype=np.int32)),)
         indices, made = [], []
         for k, ch in enumerate(choices):
             if first is None:
@@ -243,10 +273,11 @@ class SessionStore:
                 idx = first + k
                 session.reserved.discard(idx)
             indices.append(idx)
-            made.append(Branch(prompt, (*prefix, ("comp", ch.completion, idx, ch.temperature)), tuple(ch.history),
-                               tools_key, segment, ch.closed, base))
+            new = tuple(ch.history[depth:])  # the messages after base's: the request's own and the reply
+            made.append(Branch(prompt, (*prefix, ("comp", ch.completion, idx, ch.temperature)), new,
+                               depth + len(new), _prefix_hashes(new, key)[-1], tools_key, segment, ch.closed, base))
         for branch in made:
-            session.index.setdefault((tools_key, _prefix_hashes(branch.history)[-1]), []).append(branch)
+            session.index.setdefault((tools_key, branch.key), []).append(branch)
         if base is not None and any(b is base for b in session.branches):
             at = next(i for i, b in enumerate(session.branches) if b is base)
             session.branches[at:at + 1] = made[:1]  # the continued tip is now a prefix of its extension
