@@ -15,14 +15,13 @@ Run: areal-bus node rollout --topology topology/default.yaml --replica 0
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import zmq
 
 from areal_bus import messages as m
 from areal_bus.channels import Receiver, ReliableSender, open_socket
-from areal_bus.constants import POLL_MS, STREAM_EVERY_S, WORK_HWM
+from areal_bus.constants import POLL_MS, WORK_HWM
+from areal_bus.engines.base import TokenStreams
 from areal_bus.engines.sim import SimRolloutEngine
 from areal_bus.node import NodeShell
 
@@ -99,28 +98,6 @@ class StepLog:
         return line
 
 
-def stream_partials(streams: dict[str, list], peek, gsocks: list, shell) -> None:
-    """Send each streamed request's new tokens to its gateway: the first at once, then at most every
-    STREAM_EVERY_S. Best effort: a gateway whose queue is full misses this one (the Completion that
-    ends the request carries every token)."""
-    now = time.monotonic()
-    for rid, st in list(streams.items()):
-        j, sent, last = st
-        if sent and now - last < STREAM_EVERY_S:
-            continue
-        ids = peek(rid)
-        if len(ids) <= sent:
-            continue
-        part = m.PartialCompletion(request_id=rid, start=sent, output_ids=np.asarray(ids[sent:], dtype=np.int32))
-        try:
-            gsocks[j].send_multipart(shell.encoder.encode(part), flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            shell.metrics.inc("stream.partials_dropped")
-            continue
-        st[1], st[2] = len(ids), now
-        shell.metrics.inc("stream.partials")
-
-
 def run(topo, replica: int = 0, base=None) -> int:
     shell = NodeShell(topo, "rollout", replica, base=base, watch=("agent", "weights"), topics=(m.TOPIC_VERSION,))
     shell.install_signal_handlers()
@@ -148,7 +125,7 @@ def run(topo, replica: int = 0, base=None) -> int:
     engine, release_upto = make_engine(topo, shell.node_id, replica, base)
     steplog = StepLog(topo)
     peek = getattr(engine, "peek", None)  # live streaming, where the engine can show a running output
-    streams: dict[str, list] = {}  # streamed gateway request id -> [gateway index, tokens sent, when last sent]
+    streams = TokenStreams()  # streamed gateway requests, each with the index of its gateway
     waiting: list[m.GenerateRequest] = []  # requests whose min_version we do not serve yet
     reply_of: dict[str, int] = {}  # request id -> agent replica that asked (-1 - j: gateway j)
     announced = None
@@ -156,7 +133,7 @@ def run(topo, replica: int = 0, base=None) -> int:
 
     def answer(comp: m.Completion) -> None:
         to = reply_of.pop(comp.request_id, 0)
-        streams.pop(comp.request_id, None)
+        streams.discard(comp.request_id)
         (replies[to] if to >= 0 else gw_out[-1 - to]).offer(
             comp.request_id, comp, (int(comp.versions.min(initial=0)),))
 
@@ -227,7 +204,7 @@ def run(topo, replica: int = 0, base=None) -> int:
                         continue
                     reply_of[req.request_id] = req.reply_to if j is None else -1 - j
                     if req.stream and j is not None and peek is not None:
-                        streams[req.request_id] = [j, 0, 0.0]
+                        streams.add(req.request_id, j)
                     (waiting.append if req.min_version > engine.version else begin)(req)
             shell.inflight = engine.running_ids + [r.request_id for r in waiting]
             finished = engine.step() if engine.running_ids else []
@@ -238,8 +215,17 @@ def run(topo, replica: int = 0, base=None) -> int:
                 line = steplog.add(comp, engine.version)
                 if line:
                     shell.log.info("step", **line, version=engine.version)
-            if streams:
-                stream_partials(streams, peek, gsocks, shell)
+            for rid, j, start, ids in streams.due(peek) if streams else ():
+                # Best effort: a gateway whose queue is full misses this one (due again next step; the
+                # Completion that ends the request carries every token anyway).
+                part = m.PartialCompletion(request_id=rid, start=start, output_ids=ids)
+                try:
+                    gsocks[j].send_multipart(shell.encoder.encode(part), flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    shell.metrics.inc("stream.partials_dropped")
+                    continue
+                streams.mark(rid, start + ids.size)
+                shell.metrics.inc("stream.partials")
             for r in (*replies, *gw_out):
                 r.flush()
             shell.metrics.gauge("running", len(engine.running_ids))

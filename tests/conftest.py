@@ -112,12 +112,10 @@ def make_traj():
 @pytest.fixture
 def one_torch_thread():
     """Tiny models on a shared 2-core box: one torch thread is ~100x faster than oversubscribing."""
-    import torch
+    from tests.torch_threads import one_torch_thread
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture

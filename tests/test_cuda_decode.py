@@ -14,20 +14,12 @@ from areal_bus.engines.cuda_decode import buckets
 from areal_bus.engines.torch_engine import TorchRolloutEngine
 from areal_bus.messages import GenerateRequest
 from areal_bus.modeling import TINY_LLAMA, TINY_QWEN2, make_random_model, save_pretrained, token_logprobs
+from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
 PROMPTS = {"a": [1, 5, 9, 14, 3], "b": [7, 2], "c": [11, 4, 4, 8, 20, 33, 6, 17, 5], "d": [42]}
 # Small buckets, so short test sequences cross several lengths and pad the batch.
 SMALL = ([2, 4], [8, 16, 32, 64])
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models on a shared 2-core box: one intra-op thread is far faster than oversubscribing.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _model(cfg=TINY_QWEN2, seed=0):

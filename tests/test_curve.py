@@ -10,12 +10,10 @@ Run: .venv/bin/pytest tests/test_curve.py
 from __future__ import annotations
 
 import random
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -64,10 +62,9 @@ def wait_for(pred, timeout: float, what: str):
 
 
 @pytest.fixture
-def key_dir():
-    path = Path(tempfile.mkdtemp(prefix="abt-keys-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def key_dir(ipc_dir):
+    """The test's folder for keys, logs and ipc sockets (conftest's: short, under /tmp, removed after)."""
+    return ipc_dir
 
 
 @pytest.fixture

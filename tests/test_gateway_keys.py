@@ -16,7 +16,8 @@ import openai
 import pytest
 
 from nodes.gateway.standalone import Child
-from tests.test_gateway_openai import ADMIN, GAME, POLICY, _one_thread, gateway  # noqa: F401
+from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
+from tests.test_gateway_openai import ADMIN, GAME, POLICY, gateway  # noqa: F401
 
 CHAT = {"model": POLICY, "messages": [{"role": "user", "content": GAME}], "max_tokens": 2}
 

@@ -24,7 +24,8 @@ import pytest
 from bench.gateway_load import Agents, Sampler, Tally, burst, soak, trajectories
 from nodes.gateway.backend import LocalEngineBackend
 from nodes.gateway.standalone import Child
-from tests.test_gateway_openai import ADMIN, GAME, POLICY, _one_thread, gateway, policy  # noqa: F401
+from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
+from tests.test_gateway_openai import ADMIN, GAME, POLICY, gateway, policy  # noqa: F401
 
 SESSIONS = 1000
 CONNECTIONS = 64  # the agents' pool: far fewer connections than sessions

@@ -33,14 +33,7 @@ TEN = [{"role": "user", "content": GAME}, {"role": "assistant", "content": "8"},
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
                                             "parameters": {"type": "object",
                                                            "properties": {"city": {"type": "string"}}}}}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny model, shared 2-core box: threads only add contention
-    yield
-    torch.set_num_threads(before)
+from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
 
 @functools.cache

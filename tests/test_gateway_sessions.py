@@ -17,7 +17,8 @@ import pytest
 
 from areal_bus.messages import Completion
 from nodes.gateway.sessions import Choice, SessionLimitError, SessionStore
-from tests.test_gateway_openai import (ADMIN, GAME, POLICY, ScriptedBackend, _one_thread,  # noqa: F401
+from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
+from tests.test_gateway_openai import (ADMIN, GAME, POLICY, ScriptedBackend,  # noqa: F401
                                        gateway)
 
 EOS = 2

@@ -32,7 +32,8 @@ from nodes.gateway.backend import LocalEngineBackend, SamplingParams
 from nodes.gateway.bus_backend import BusBackend, StreamBroken
 from nodes.gateway.chat import ChatRenderer, parse_tool_calls
 from nodes.gateway.live import TextFeed
-from tests.test_gateway_openai import (ADMIN, GAME, POLICY, TEN, WEATHER, ScriptedBackend, _one_thread, gateway,  # noqa: F401
+from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
+from tests.test_gateway_openai import (ADMIN, GAME, POLICY, TEN, WEATHER, ScriptedBackend, gateway,  # noqa: F401
                                       policy, tokenizer)
 
 

@@ -5,18 +5,9 @@ import torch
 
 from areal_bus.modeling import (TINY_LLAMA, TINY_QWEN2, KVCache, ModelConfig, load_pretrained, make_random_model,
                                 save_pretrained, token_logprobs)
+from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models gain nothing from intra-op threads, and on a shared 2-core box they lose a lot
-    # (100x slower under load); restore the setting for the other test modules.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _ids(cfg: dict, b: int, t: int, seed: int = 0) -> torch.Tensor:

@@ -8,18 +8,9 @@ from areal_bus.engines.torch_engine import TorchRolloutEngine
 from areal_bus.messages import GenerateRequest
 from areal_bus.modeling import (TINY_LLAMA, TINY_QWEN2, KVCache, make_random_model, save_pretrained,
                                 token_logprobs)
+from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
 PROMPTS = {"a": [1, 5, 9, 14, 3], "b": [7, 2], "c": [11, 4, 4, 8, 20, 33, 6, 17, 5], "d": [42]}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models gain nothing from intra-op threads, and on a shared 2-core box they lose a lot
-    # (100x slower under load); restore the setting for the other test modules.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _model(cfg=TINY_QWEN2, seed=0):

@@ -4,8 +4,12 @@ run the same code paths whichever engine is selected in the topology."""
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
+import numpy as np
+
+from areal_bus.constants import STREAM_EVERY_S
 from areal_bus.messages import Completion, GenerateRequest, Trajectory
 
 
@@ -42,3 +46,46 @@ class TrainEngine(Protocol):
 
     def export_weights(self, version: int) -> tuple[str, int]:
         """Make the weights of ``version`` available to readers; returns (location, nbytes)."""
+
+
+class TokenStreams:
+    """Which running requests' new tokens are due to be reported (live streaming, through an engine's
+    ``peek``): a request's first tokens at once, then at most every STREAM_EVERY_S. The rollout node
+    sends them to a gateway; the gateway's in-process backend hands them to a callback.
+
+        streams.add(rid, dest)                          # dest: where its tokens go (the caller's)
+        for rid, dest, start, ids in streams.due(engine.peek):
+            ...deliver...; streams.mark(rid, start + len(ids))   # unmarked (not delivered): due again
+        streams.discard(rid)                            # finished
+    """
+
+    def __init__(self):
+        self._state: dict[str, list] = {}  # request id -> [dest, tokens delivered, when last delivered]
+
+    def __bool__(self) -> bool:
+        return bool(self._state)
+
+    def add(self, request_id: str, dest=None) -> None:
+        self._state[request_id] = [dest, 0, 0.0]
+
+    def discard(self, request_id: str) -> None:
+        self._state.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._state.clear()
+
+    def due(self, peek) -> list[tuple[str, object, int, np.ndarray]]:
+        now = time.monotonic()
+        out = []
+        for rid, (dest, sent, last) in self._state.items():
+            if sent and now - last < STREAM_EVERY_S:
+                continue
+            ids = peek(rid)
+            if len(ids) > sent:
+                out.append((rid, dest, sent, np.asarray(ids[sent:], dtype=np.int32)))
+        return out
+
+    def mark(self, request_id: str, delivered: int) -> None:
+        st = self._state.get(request_id)
+        if st is not None:
+            st[1], st[2] = delivered, time.monotonic()

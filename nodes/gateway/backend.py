@@ -24,14 +24,13 @@ import asyncio
 import itertools
 import queue
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from areal_bus.constants import STREAM_EVERY_S
+from areal_bus.engines.base import TokenStreams
 from areal_bus.messages import Completion, GenerateRequest
 
 ENGINE_IDLE_WAIT_S = 0.05
@@ -111,7 +110,7 @@ class LocalEngineBackend:
     def _run(self) -> None:
         waiting: deque = deque()  # requests taken from the inbox that found no free slot yet
         inflight: dict[str, tuple] = {}  # request id -> (request, loop, future, on_tokens)
-        streamed: dict[str, list] = {}  # streamed request id -> [tokens sent, when last sent]
+        streamed = TokenStreams()  # requests with an on_tokens callback
         while not self._stop.is_set():
             block = not (waiting or inflight)
             try:
@@ -129,7 +128,7 @@ class LocalEngineBackend:
                     continue
                 inflight[req.request_id] = (req, loop, fut, on_tokens)
                 if on_tokens is not None:
-                    streamed[req.request_id] = [0, 0.0]
+                    streamed.add(req.request_id)
             if not inflight:
                 continue
             try:
@@ -142,28 +141,16 @@ class LocalEngineBackend:
                 continue
             for comp in done:
                 req, loop, fut, _ = inflight.pop(comp.request_id)
-                streamed.pop(comp.request_id, None)
+                streamed.discard(comp.request_id)
                 if self.history is not None:
                     self.history.append((req.prompt_ids, comp))
                 _resolve(loop, fut, result=comp)
-            if streamed:
-                self._stream(streamed, inflight)
+            for rid, _, start, ids in streamed.due(self.engine.peek) if streamed else ():
+                _, loop, fut, on_tokens = inflight[rid]
+                _call(loop, fut, on_tokens, start, ids)
+                streamed.mark(rid, start + ids.size)
         for req, loop, fut, _ in [*waiting, *inflight.values()]:
             _resolve(loop, fut, exc=RuntimeError("backend closed"))
-
-
-    def _stream(self, streamed: dict[str, list], inflight: dict[str, tuple]) -> None:
-        """Hand each streamed request's new tokens to its callback, on its loop: the first at once,
-        then at most every STREAM_EVERY_S (as a rollout worker does)."""
-        now = time.monotonic()
-        for rid, st in streamed.items():
-            if st[0] and now - st[1] < STREAM_EVERY_S:
-                continue
-            ids = self.engine.peek(rid)
-            if len(ids) > st[0]:
-                _, loop, fut, on_tokens = inflight[rid]
-                _call(loop, fut, on_tokens, st[0], np.asarray(ids[st[0]:], dtype=np.int32))
-                st[0], st[1] = len(ids), now
 
 
 def _call(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, fn, *args) -> None:

@@ -344,18 +344,19 @@ class SessionStore:
 
     def _trajectory(self, session: Session, branch: Branch, i: int, reason: str) -> Trajectory:
         many = len(session.branches) > 1
+        parts = branch.parts  # gathered from the branch's points once
         returns = self._returns(session, branch)
         meta = {**session.meta, "source": "gateway", "session": session.id, "end_reason": reason,
                 "segment": branch.segment, "segments": session.segments,
                 "history_rewritten": session.segments > 1, "branch": i, "branches": len(session.branches),
-                "completions": branch.completion_indices,
-                "temperatures": [p[3] for p in branch.parts if p[0] == "comp"]}
+                "completions": [p[2] for p in parts if p[0] == "comp"],
+                "temperatures": [p[3] for p in parts if p[0] == "comp"]}
         if returns is not None:
             meta["turn_returns"] = returns
             meta["discount"] = session.discount
         rec = EpisodeRecord(f"{session.id}-b{i}" if many else session.id, branch.prompt_ids,
                             group_id=session.group_id, ticket=session.ticket, meta=meta)
-        for part in branch.parts:
+        for part in parts:
             if part[0] == "comp":
                 rec.add_completion(part[1])
             else:
