@@ -12,56 +12,19 @@ import torch
 
 from areal_bus.engines.cuda_decode import buckets
 from areal_bus.engines.torch_engine import TorchRolloutEngine
-from areal_bus.messages import GenerateRequest
-from areal_bus.modeling import TINY_LLAMA, TINY_QWEN2, make_random_model, save_pretrained, token_logprobs
+from areal_bus.modeling import TINY_LLAMA, TINY_QWEN2, make_random_model, save_pretrained
+from tests.test_torch_engine import PROMPTS, _full_logprobs, _model, _naive_greedy, _req, _run
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
-PROMPTS = {"a": [1, 5, 9, 14, 3], "b": [7, 2], "c": [11, 4, 4, 8, 20, 33, 6, 17, 5], "d": [42]}
 # Small buckets, so short test sequences cross several lengths and pad the batch.
 SMALL = ([2, 4], [8, 16, 32, 64])
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def _model(cfg=TINY_QWEN2, seed=0):
-    return make_random_model(cfg, seed=seed, std=0.2)
-
-
-def _req(rid, prompt, max_tokens=12, temperature=0.0, top_p=1.0):
-    return GenerateRequest(request_id=rid, episode_id="ep-" + rid, ticket=0, min_version=0, max_tokens=max_tokens,
-                           temperature=temperature, prompt_ids=np.asarray(prompt, dtype=np.int32), top_p=top_p)
 
 
 def _engine(model, static=True, **kw):
     kw = {"max_batch": 4, "max_len": 64, "eos_token_ids": [], "static_decode": static,
           "decode_buckets": SMALL if static else None} | kw
     return TorchRolloutEngine(model, **kw)
-
-
-def _run(engine, reqs, max_steps=300):
-    for r in reqs:
-        engine.add_request(r)
-    out = {}
-    for _ in range(max_steps):
-        out |= {c.request_id: c for c in engine.step()}
-        if len(out) == len(reqs):
-            return out
-    raise AssertionError("did not finish")
-
-
-def _naive_greedy(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids], device=model.lm_head.weight.device))[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
-def _full_logprobs(model, prompt, comp, temperature):
-    """What the trainer recomputes: token_logprobs of prompt + output, at the output tokens."""
-    ids = torch.from_numpy(np.concatenate([np.asarray(prompt), comp.output_ids])).long()[None]
-    with torch.no_grad():
-        lp = token_logprobs(model, ids.to(model.lm_head.weight.device), temperature=temperature)
-    return lp[0, len(prompt):].float().cpu().numpy()
 
 
 @pytest.mark.parametrize("cfg", [TINY_QWEN2, TINY_LLAMA], ids=["qwen2", "llama"])

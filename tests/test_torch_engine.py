@@ -1,4 +1,7 @@
-"""TorchRolloutEngine: generation equals a naive full-forward loop, logprobs and versions are exact."""
+"""TorchRolloutEngine: generation equals a naive full-forward loop, logprobs and versions are exact.
+
+Its helpers (``_model``, ``_req``, ``_run``, ``_naive_greedy``, ``_full_logprobs``) work on any device;
+tests/test_cuda_decode.py uses them too."""
 
 import numpy as np
 import pytest
@@ -28,7 +31,7 @@ def _engine(model, **kw):
     return TorchRolloutEngine(model, **kw)
 
 
-def _run(engine, reqs, max_steps=200):
+def _run(engine, reqs, max_steps=300):
     """Add ``reqs`` and step until all finish; {request_id: Completion}."""
     for r in reqs:
         engine.add_request(r)
@@ -45,7 +48,7 @@ def _naive_greedy(model, prompt, n):
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+            ids.append(int(model(torch.tensor([ids], device=model.lm_head.weight.device))[0, -1].argmax()))
     return ids[len(prompt):]
 
 
@@ -56,7 +59,8 @@ def _full_ids(prompt, comp):
 def _full_logprobs(model, prompt, comp, temperature):
     """What the trainer recomputes: token_logprobs of prompt + output, at the output tokens."""
     with torch.no_grad():
-        return token_logprobs(model, _full_ids(prompt, comp), temperature=temperature)[0, len(prompt):].numpy()
+        lp = token_logprobs(model, _full_ids(prompt, comp).to(model.lm_head.weight.device), temperature=temperature)
+    return lp[0, len(prompt):].float().cpu().numpy()
 
 
 @pytest.mark.parametrize("cfg", [TINY_QWEN2, TINY_LLAMA], ids=["qwen2", "llama"])
