@@ -159,12 +159,13 @@ class Sampler:
 
     def __init__(self, child: Child, http: aiohttp.ClientSession, admin: str):
         self.child, self.http, self.admin = child, http, {"Authorization": f"Bearer {admin}"}
-        self.rows: list[tuple[float, float, int, int]] = []  # (t, rss MiB, fds, open sessions)
+        self.rows: list[tuple[float, float, int, int, int]] = []  # (t, rss MiB, fds, open sessions, py blocks)
 
-    async def sample(self) -> tuple[float, float, int, int]:
+    async def sample(self) -> tuple[float, float, int, int, int]:
         async with self.http.get("/rl/metrics", headers=self.admin) as r:
             gauges = (await r.json())["gauges"]
-        row = (time.monotonic(), self.child.rss_bytes() / 2 ** 20, self.child.open_fds(), int(gauges["sessions.open"]))
+        row = (time.monotonic(), self.child.rss_bytes() / 2 ** 20, self.child.open_fds(), int(gauges["sessions.open"]),
+               int(gauges["python.blocks"]))
         self.rows.append(row)
         return row
 
@@ -293,6 +294,10 @@ def report(args, res: dict) -> None:
         print(f"soak trend: RSS {rss_slope:+.2f} MiB/min, fds {fd_slope:+.2f}/min; RSS range "
               f"{min(r[1] for r in rows):.0f}-{max(r[1] for r in rows):.0f} MiB, fds "
               f"{min(r[2] for r in rows)}-{max(r[2] for r in rows)}")
+    if rows and s_tally.ended:  # both quiet moments (no session open): the Python heap's growth a session
+        print(f"python blocks: {after_burst[4]} after the burst -> {end[4]} after the soak, "
+              f"{(end[4] - after_burst[4]) / len(s_tally.ended):+.1f} a session (~5 is the bounded record of "
+              f"ended sessions)")
     print(f"trajectories: {len(res['trajectories'])} written, lost {res['lost']}, duplicated {res['duplicated']}; "
           f"load at the end {os.getloadavg()[0]:.1f}")
     print(f"RESULT sessions={args.sessions} burst_sessions_per_s={len(b_tally.ended) / b_wall:.1f} "
