@@ -81,6 +81,8 @@ from nodes.gateway.bus_backend import BusBackend, NoWorker  # noqa: E402
 from nodes.gateway.chat import ChatRenderer  # noqa: E402
 
 AREAL_BUS = Path(sys.executable).parent / "areal-bus"
+if not AREAL_BUS.exists():  # a host without the venv (scripts/host_gateway.sh puts a launcher on PATH)
+    AREAL_BUS = Path(shutil.which("areal-bus") or AREAL_BUS)
 MODEL = ROOT / "models" / "tiny-guess"
 MESSAGES = [{"role": "user", "content": "Guess the number: it is between 1 and 16."}]
 MODES = ("direct", "gateway", "session", "lean session", "in-process")
