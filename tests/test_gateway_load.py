@@ -107,14 +107,14 @@ def test_a_soak_grows_neither_memory_nor_descriptors(loaded):
     The tight check is the interpreter's count of live allocations (``python.blocks``): an ended session
     adds ~5 (its id and key hash in the ``ENDED_REMEMBERED`` record, which stops at 10,000), while a
     session kept whole by mistake adds ~55 (measured by keeping every ended Session in a list: 62,500
-    blocks over 1,155 sessions, which RSS showed as +5 MiB, within its own noise). RSS moves by up to
-    ~12 MiB from one sample to the next as the allocator takes and returns arenas (seen: 396, 405, 399,
-    407), so it checks only gross leaks, native memory included: its floor over the second spell against
-    the first's."""
+    blocks over 1,155 sessions, which RSS showed as +5 MiB, within its own noise). RSS moves by ~12 MiB
+    from one sample to the next as the allocator takes and returns arenas (seen: 396, 405, 399, 407; 390
+    to 419 with a CPU hog beside), so it checks only gross leaks, native memory included: its floor over
+    the second spell against the first's."""
     spells = []
     for seconds in (5, 7):  # the first settles (200 agents' first sessions, caches, arenas)
         rows_from = len(loaded.sampler.rows)
-        tally, wall = loaded.run(soak(loaded.agents, loaded.sampler, concurrency=200, seconds=seconds, sample_s=1.0))
+        tally, _ = loaded.run(soak(loaded.agents, loaded.sampler, concurrency=200, seconds=seconds, sample_s=1.0))
         spells.append((tally, loaded.sampler.rows[rows_from:]))  # its last row: the quiet moment after it
     (_, first), (tally, second) = spells
     rss, fds = [r[1] for r in first + second], [r[2] for r in first + second]
@@ -125,7 +125,7 @@ def test_a_soak_grows_neither_memory_nor_descriptors(loaded):
     assert len(tally.ended) >= 200 and len(second) >= 5
     assert quiet_before[3] == quiet_after[3] == 0  # quiet: every session ended
     assert per_session <= 16, (quiet_before, quiet_after)
-    assert min(r[1] for r in second) - min(r[1] for r in first) <= 16, rss
+    assert min(r[1] for r in second) - min(r[1] for r in first) <= 24, rss
     assert max(fds) - min(fds) <= FD_SLACK, fds
 
 
