@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one-GPU end-to-end run on the GPU host (bench/gpu_e2e.py), which lacks pyzmq, pydantic, structlog
-# and supervisor: they travel as wheels in .whl (see the device notes in bench/RESULTS.md) and go to
+# and supervisor: they travel as wheels in .whl (made here by scripts/host_wheels.sh) and go to
 # /tmp/site; `areal-bus` is a two-line launcher there. Logs go to $OUT (default ./gpu_logs).
 #
 # Run from the repository root:  bash scripts/gpu_e2e.sh [bench/gpu_e2e.py arguments]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bench/gateway.py on another host (the lent GPU machine's 16 cores: the gateway's added latency where
 # processes do not share two vCPUs). That host lacks pyzmq, pydantic, structlog, aiohttp and uvloop:
-# they travel as cp312 wheels in .whl and .whl/gw (see the device notes in bench/RESULTS.md) and go to
+# they travel as cp312 wheels in .whl and .whl/gw (made here by scripts/host_wheels.sh) and go to
 # /tmp/site; `areal-bus` is a two-line launcher there. Output to $OUT/gateway.log (default ./gpu_logs).
 #
 # Run from the repository root:  bash scripts/host_gateway.sh [bench/gateway.py arguments]
