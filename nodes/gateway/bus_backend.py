@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import time
 import uuid
 
 import numpy as np
@@ -44,11 +43,11 @@ class StreamBroken(RuntimeError):
 
 
 class _Pending:
-    __slots__ = ("fut", "worker", "frames", "sent_at", "on_tokens", "streamed")
+    __slots__ = ("fut", "worker", "frames", "on_tokens", "streamed")
 
     def __init__(self, fut, worker, frames, on_tokens):
         self.fut, self.worker, self.frames, self.on_tokens = fut, worker, frames, on_tokens
-        self.sent_at, self.streamed = time.monotonic(), False
+        self.streamed = False
 
 
 class BusBackend:
