@@ -307,8 +307,9 @@ class SessionStore:
                            f"(it has {session.completions}: 0..{session.completions - 1})")
         self.touch(session)
 
-    def _returns(self, session: Session, branch: Branch) -> list[float] | None:
-        idx = branch.completion_indices
+    def _returns(self, session: Session, idx: list[int]) -> list[float] | None:
+        """The discounted return of each of a branch's completions (``idx``: their indices), or None
+        when nothing was rewarded."""
         if session.outcome is None and not any(i in session.rewards for i in idx):
             return None
         r = [session.rewards.get(i, 0.0) for i in idx]
@@ -345,11 +346,12 @@ class SessionStore:
     def _trajectory(self, session: Session, branch: Branch, i: int, reason: str) -> Trajectory:
         many = len(session.branches) > 1
         parts = branch.parts  # gathered from the branch's points once
-        returns = self._returns(session, branch)
+        completions = [p[2] for p in parts if p[0] == "comp"]
+        returns = self._returns(session, completions)
         meta = {**session.meta, "source": "gateway", "session": session.id, "end_reason": reason,
                 "segment": branch.segment, "segments": session.segments,
                 "history_rewritten": session.segments > 1, "branch": i, "branches": len(session.branches),
-                "completions": [p[2] for p in parts if p[0] == "comp"],
+                "completions": completions,
                 "temperatures": [p[3] for p in parts if p[0] == "comp"]}
         if returns is not None:
             meta["turn_returns"] = returns
