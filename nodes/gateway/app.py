@@ -69,7 +69,7 @@ from nodes.gateway.live import LiveStream, TextFeed
 from nodes.gateway.openai_api import (SSE_DONE, ChatRequest, OpenAIError, completion_response, model_card,
                                       parse_chat_request, router_error, sse, stream_chunks, token_logprobs)
 from nodes.gateway.rl_routes import RLRoutes
-from nodes.gateway.server import ADMIN, GATEWAY, _errors, _reason, _write_quietly, json_response
+from nodes.gateway.server import ADMIN, GATEWAY, _errors, _reason, json_response, sse_reply
 from nodes.gateway.server import GatewayStartError, bound_port, start_server  # noqa: F401 (re-exported)
 from nodes.gateway.sessions import Choice, Session, SessionStore, key_digest
 
@@ -291,10 +291,7 @@ class Gateway(RLRoutes):
         resp = await self.routed(req.model, data, t0)
         if not req.stream:
             return json_response(resp)
-        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await stream.prepare(request)
-        await _write_quietly(stream, b"".join(sse(c) for c in stream_chunks(resp, include_usage)) + SSE_DONE)
-        return stream
+        return await sse_reply(request, b"".join(sse(c) for c in stream_chunks(resp, include_usage)) + SSE_DONE)
 
     async def routed(self, model: str, data: dict, t0: float) -> dict:
         if self.router is None:
@@ -566,11 +563,8 @@ class Gateway(RLRoutes):
             hint = " (Claude Code: set ANTHROPIC_MODEL to it)" if err.code == "model_not_found" else ""
             raise anthropic_api.AnthropicError(err.status, err.message + hint, _reason(err), err.headers) from None
         if body.get("stream"):
-            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await stream.prepare(request)
             events = anthropic_api.stream_events(resp, model)
-            await _write_quietly(stream, b"".join(anthropic_api.format_sse(e, d) for e, d in events))
-            return stream
+            return await sse_reply(request, b"".join(anthropic_api.format_sse(e, d) for e, d in events))
         return json_response(anthropic_api.from_openai_response(resp, model))
 
     async def anthropic_count_tokens(self, request: web.Request) -> web.Response:

@@ -27,6 +27,7 @@ from aiohttp import web
 from nodes.gateway import anthropic_api
 from nodes.gateway.chat import TOOL_OPEN
 from nodes.gateway.openai_api import SSE_DONE, OpenAIError, StreamChunks, sse
+from nodes.gateway.server import SSE_HEADERS
 
 
 class TextFeed:
@@ -115,7 +116,7 @@ class LiveStream:
 
     async def open(self, request: web.Request, rid: str, prompt_tokens: int, n: int) -> None:
         """Send the headers and the opening events (the client sees the reply has begun)."""
-        self.stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        self.stream = web.StreamResponse(headers=SSE_HEADERS)
         try:
             await self.stream.prepare(request)
         except (ConnectionError, RuntimeError):

@@ -56,13 +56,20 @@ def json_response(data, status: int = 200, headers: dict | None = None) -> web.R
     return web.Response(body=body, status=status, headers=headers, content_type="application/json", charset="utf-8")
 
 
-async def _write_quietly(stream: web.StreamResponse, data: bytes) -> None:
-    """Write the rest of a stream; a client that left is not an error (what it asked for is recorded)."""
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+async def sse_reply(request: web.Request, data: bytes) -> web.StreamResponse:
+    """A whole server-sent event stream (``data``, its events already formatted) as the reply; a
+    client that left is not an error (what it asked for is recorded)."""
+    stream = web.StreamResponse(headers=SSE_HEADERS)
     try:
+        await stream.prepare(request)
         await stream.write(data)
         await stream.write_eof()
     except (ConnectionError, RuntimeError):
         pass
+    return stream
 
 
 @web.middleware
