@@ -309,3 +309,4 @@ class RunState:
     consumed: int
     incarnation: str = ""
     sources: dict = field(default_factory=dict)
+    lineage: str = ""  # the lineage of ``version`` (areal_bus.version.PolicyVersion)

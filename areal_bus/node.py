@@ -30,6 +30,7 @@ from areal_bus.logs import setup_logging
 from areal_bus.metrics import Metrics
 from areal_bus.security import bus_context
 from areal_bus.topology import Topology, dump_resolved
+from areal_bus.version import PolicyVersion
 
 
 @dataclass
@@ -91,7 +92,7 @@ class NodeShell:
         # The run's CURVE keys ride on the context: every socket open_socket makes uses them.
         self.ctx = bus_context(topo.curve_keys(self.base), self.metrics, self.log)
         self.encoder = Encoder(self.node_id)
-        self.version = 0
+        self.policy = PolicyVersion()  # the newest policy this node knows of (serves, for rollout)
         self.peers = PeerTable()
         self.watch = set(watch)
         self.inflight: list = []  # read by the heartbeat thread; nodes replace it, never mutate it
@@ -102,6 +103,11 @@ class NodeShell:
         self.hub = Receiver(self.sub, self.metrics, self.log, topic=True)
         self._hb_thread: threading.Thread | None = None
         self._started = time.time()
+
+    @property
+    def version(self) -> int:
+        """The version number of ``policy`` (what the heartbeat reports)."""
+        return self.policy.version
 
     # -- setup ----------------------------------------------------------------------------------
     def endpoint(self, channel: str, replica: int = 0) -> str:
@@ -165,7 +171,7 @@ class NodeShell:
                         self.event(f"peer_{change}", peer=msg.node_id)
                     out.append((env, m.Event(name=f"peer_{change}", node_id=msg.node_id, fields={"kind": msg.kind})))
             elif isinstance(msg, m.VersionAnnounce):
-                self.version = max(self.version, msg.version)
+                self.policy = max(self.policy, PolicyVersion.of(msg))
             out.append((env, msg))
         for peer in self.peers.expire(now):
             if peer.kind in self.watch:

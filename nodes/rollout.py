@@ -24,6 +24,7 @@ from areal_bus.constants import POLL_MS, WORK_HWM
 from areal_bus.engines.base import TokenStreams
 from areal_bus.engines.sim import SimRolloutEngine
 from areal_bus.node import NodeShell
+from areal_bus.version import PolicyVersion
 
 
 def make_engine(topo, worker: str, replica: int, base=None):
@@ -176,7 +177,7 @@ def run(topo, replica: int = 0, base=None) -> int:
                 else:  # nothing to load (simulated weights, or the checkpoint the worker started from)
                     engine.version, took = announced.version, 0.0
                 serving = (announced.lineage, engine.version)
-                shell.version = engine.version
+                shell.policy = PolicyVersion(*serving)
                 shell.publish(m.TOPIC_VERSION_ACK, m.VersionAck(node_id=shell.node_id, version=engine.version,
                                                                switch_seconds=took, lineage=serving[0]))
                 shell.metrics.inc("weight_swaps")

@@ -41,6 +41,7 @@ from areal_bus.constants import HEARTBEAT_INTERVAL_S, POLL_MS, SEEN_IDS_MAX
 from areal_bus.engines.sim import SimTrainEngine
 from areal_bus.ledger import Ledger, ledger_path
 from areal_bus.node import NodeShell
+from areal_bus.version import PolicyVersion
 from areal_bus.spool import Spool
 from areal_bus.topology import dump_resolved
 
@@ -296,7 +297,6 @@ def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
                                     else None)
     if folder is not None and topo.trainer_engine.kind == "torch":
         engine.load_optimizer(folder)
-    shell.version = version
     # A resumed run's consumption count continues too: agents measure the batch from it.
     shell.metrics.inc("samples", start.trained)
     # Per episode source, [consumed, stale] in this run epoch: the admission totals of RunState.
@@ -305,6 +305,7 @@ def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
     # Weights of this process's lineage: a restart rolls the policy back to its checkpoint, and rollout
     # workers must follow even though the version number goes down. Ordered by start time.
     lineage = f"{time.time_ns():020d}-{shell.incarnation}"
+    shell.policy = PolicyVersion(lineage, version)
     ledger.write("start", inc=shell.incarnation, epoch=start.epoch, resumed_step=version, ckpt_inc=start.ckpt_inc,
                  spool=spool is not None)
     unpruned: list[str] = []  # consumed since the last checkpoint was started: its rows may go after it
@@ -352,7 +353,7 @@ def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
         nonlocal last_state
         shell.publish(m.TOPIC_RUN, m.RunState(version=version, max_steps=topo.max_steps, finished=finished,
                                               consumed=int(shell.metrics.counters["samples"]),
-                                              incarnation=start.epoch, sources=dict(totals)))
+                                              incarnation=start.epoch, sources=dict(totals), lineage=lineage))
         last_state = time.monotonic()
 
     def ack(**ids) -> None:
@@ -473,7 +474,7 @@ def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
                 job = None
                 took = time.monotonic() - started
                 version += 1
-                shell.version = version
+                shell.policy = PolicyVersion(lineage, version)
                 export_weights(version)
                 ids = [t.traj_id for t in batch]
                 consumed_ids.update((tid, None) for tid in ids)

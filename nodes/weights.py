@@ -23,6 +23,7 @@ from areal_bus import messages as m
 from areal_bus.channels import Receiver, open_socket
 from areal_bus.constants import HEARTBEAT_INTERVAL_S, POLL_MS
 from areal_bus.node import NodeShell
+from areal_bus.version import PolicyVersion
 
 
 class VersionBook:
@@ -85,7 +86,7 @@ def run(topo, replica: int = 0, base=None) -> int:
             now = time.monotonic()
             if book.current is not None and now - last_announce >= HEARTBEAT_INTERVAL_S:
                 shell.publish(m.TOPIC_VERSION, book.current, (book.current.version,))
-                shell.version = book.current.version
+                shell.policy = PolicyVersion.of(book.current)
                 last_announce = now
             workers = [p.node_id for p in shell.peers.alive("rollout")]
             v = book.newly_committed(workers)

@@ -23,6 +23,7 @@ from areal_bus.admission import Admission
 from areal_bus.channels import ReliableSender, open_socket
 from areal_bus.ledger import Ledger, ledger_path
 from areal_bus.node import NodeShell
+from areal_bus.version import PolicyVersion
 from nodes.gateway.app import GatewayConfig, make_app, start_server
 from nodes.gateway.bus_backend import BusBackend
 
@@ -91,7 +92,7 @@ def run(topo, replica: int = 0, base=None) -> int:
             if isinstance(msg, m.TrajAck):
                 sender.settle(msg)
             elif isinstance(msg, m.RunState):
-                shell.version = max(shell.version, msg.version)
+                shell.policy = max(shell.policy, PolicyVersion(msg.lineage, msg.version))
                 admission.follow(msg, source)  # totals, not acks: a lost hub message leaks no slot
             elif isinstance(msg, m.Event) and msg.name == "peer_restarted" and msg.fields.get("kind") == consumer_kind:
                 shell.log.warning("resent", trajectories=sender.resend(), reason=f"{msg.node_id} restarted")
