@@ -22,9 +22,8 @@ Ordering note: the header words are single aligned 8-byte stores and loads, and 
 (torch joins its copy threads) before the commit store, which is enough on x86-64's total store order.
 A port to a weakly ordered CPU would need a fence between the data copy and the commit store.
 
-Across hosts, ``chunk_frames`` cuts a committed buffer into checksummed chunks for ZeroMQ and
-``ChunkAssembler`` writes them into a local writer's buffer on the receiving host, where local readers
-map it as usual. No pickle anywhere: the manifest is JSON, chunk headers are plain dicts for msgpack.
+No pickle anywhere: the manifest is JSON. Moving a version to another host is ``weights_transfer``'s
+job (chunks written into a local writer through ``begin``/``commit``).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ import re
 import threading
 import warnings
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -65,9 +64,6 @@ only take cores from the trainer."""
 COPY_PIECE_BYTES = 16 << 20
 """Large tensors are copied in pieces of this size, so that the copy threads share the work evenly
 (one 272 MB embedding would otherwise keep one thread busy while the others idle)."""
-DEFAULT_CHUNK_BYTES = 64 << 20
-"""Cross-host chunk size: large enough that per-message overhead vanishes next to the bytes, small
-enough that a lost or corrupt chunk costs little and the sender's memory is not pinned in one frame."""
 
 # Header words (int64). SEQ is odd while a write is in progress; VERSION is -1 until the first commit.
 _H_MAGIC, _H_SEQ, _H_VERSION, _H_DATA_OFFSET, _H_DATA_NBYTES, _H_MANIFEST_LEN, _H_LAYOUT_CRC, _H_FORMAT = range(8)
@@ -93,11 +89,6 @@ class BufferBusy(WeightShmError):
 class VersionUnavailable(WeightShmError):
     """A location can no longer be opened: a newer version took its buffer, or a write is in progress
     there. The reader should switch to the latest announced location instead."""
-
-
-class ChunkError(WeightShmError):
-    """A cross-host chunk that does not fit the transfer in progress (bad checksum, size or layout).
-    The receiving node counts and drops it; the version it belongs to is never committed."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,7 +210,7 @@ def _check_name(name: str) -> None:
         raise ValueError(f"bad weight set name {name!r}: letters, digits, '_', '-', '.' only")
 
 
-class _Mapped:
+class MappedSegment:
     """One segment mapped into this process, header parsed. Readers keep these for the life of the
     process: the pages stay the same when the writer rewrites them, so switching versions never maps
     or faults again."""
@@ -284,7 +275,7 @@ class _Mapped:
             pass
 
 
-def _create_segment(path: str, layout: Layout) -> _Mapped:
+def _create_segment(path: str, layout: Layout) -> MappedSegment:
     data_offset = _align(HEADER_BYTES + len(layout.manifest), mmap.PAGESIZE)
     size = data_offset + max(layout.nbytes, 1)
     try:
@@ -316,7 +307,7 @@ def _create_segment(path: str, layout: Layout) -> _Mapped:
     header[_H_MAGIC] = MAGIC  # last: a segment without its magic is never taken for a finished one
     del header
     mm.close()
-    return _Mapped(path, writable=True)
+    return MappedSegment(path, writable=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,7 +386,7 @@ class ShmWeightWriter:
         self.ledger = BufferLedger(2)
         self.copy_threads = max(1, copy_threads or min(torch.get_num_threads(), COPY_THREADS_MAX))
         self._pool = ThreadPoolExecutor(self.copy_threads - 1, "shm-copy") if self.copy_threads > 1 else None
-        self._segments: list[_Mapped] = []
+        self._segments: list[MappedSegment] = []
         try:
             for k in range(2):
                 self._segments.append(_create_segment(segment_path(name, k), self.layout))
@@ -426,7 +417,7 @@ class ShmWeightWriter:
             raise
         return self.commit(version)
 
-    def _copy_in(self, seg: _Mapped, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def _copy_in(self, seg: MappedSegment, state_dict: Mapping[str, torch.Tensor]) -> None:
         dst = seg.array()
         pieces: list[tuple[int, np.ndarray]] = []
         with torch.no_grad():
@@ -460,7 +451,7 @@ class ShmWeightWriter:
 
     def begin(self, version: int) -> memoryview:
         """Start writing ``version``: claims a buffer (BufferBusy if none is free), marks it in
-        progress and returns its data region for the caller to fill (``ChunkAssembler`` does)."""
+        progress and returns its data region for the caller to fill (``weights_transfer.ChunkAssembler`` does)."""
         return self._segments[self._begin(version)].data()
 
     def _begin(self, version: int) -> int:
@@ -523,7 +514,7 @@ class ShmWeightReader:
     def __init__(self, name: str):
         _check_name(name)
         self.name = name
-        self._segments: dict[int, _Mapped] = {}
+        self._segments: dict[int, MappedSegment] = {}
         self._open: dict[int, tuple[int, int]] = {}  # version -> (buffer, seq seen at open)
 
     def open(self, location: str) -> dict[str, torch.Tensor]:
@@ -577,14 +568,14 @@ class ShmWeightReader:
                 best = (k, state[1])
         return None if best is None else make_location(self.name, *best)
 
-    def _segment(self, k: int) -> _Mapped:
+    def _segment(self, k: int) -> MappedSegment:
         path = segment_path(self.name, k)
         seg = self._segments.get(k)
         st = os.stat(path)  # raises FileNotFoundError when no writer has this name
         if seg is None or seg.inode != (st.st_dev, st.st_ino):
             # First use, or the writer restarted and made a new file: map the one the name points to.
             # The old mapping is dropped, not closed, so tensors a caller still holds stay valid memory.
-            seg = _Mapped(path, writable=False)
+            seg = MappedSegment(path, writable=False)
             self._segments[k] = seg
         return seg
 
@@ -593,123 +584,3 @@ class ShmWeightReader:
             seg.close()
         self._segments.clear()
         self._open.clear()
-
-
-# ---------------------------------------------------------------------------------------------
-# Across hosts
-# ---------------------------------------------------------------------------------------------
-
-
-def chunk_frames(location: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[tuple[dict, memoryview]]:
-    """The version at ``location`` as ``(header, payload)`` pairs to send as two frames each (header
-    through msgpack, payload zero copy). Payloads view the shared buffer, so the version must stay
-    unreleased until ZeroMQ has sent them; each carries a CRC32, so a buffer overwritten under a send
-    in flight is caught by the receiver. Chunk 0 carries the manifest.
-
-    Raises VersionUnavailable if the location cannot be opened, or, at the end, if it was overwritten
-    while the chunks were being cut.
-    """
-    if chunk_bytes <= 0:
-        raise ValueError("chunk_bytes must be positive")
-    name, k, version = parse_location(location)
-    seg = _Mapped(segment_path(name, k), writable=False)
-    state = seg.committed()
-    if state is None or state[1] != version:
-        raise VersionUnavailable(f"{location}: buffer {k} is being written or holds another version")
-    data = seg.data()
-    total = len(data)
-    count = max(1, math.ceil(total / chunk_bytes))
-    for i in range(count):
-        off = i * chunk_bytes
-        payload = data[off:off + chunk_bytes]
-        header = {"version": version, "index": i, "count": count, "offset": off, "nbytes": len(payload),
-                  "total": total, "crc": zlib.crc32(payload), "layout_crc": seg.layout.crc}
-        if i == 0:
-            header["manifest"] = seg.layout.manifest.decode()
-        yield header, payload
-    if seg.committed() != state:
-        raise VersionUnavailable(f"{location}: overwritten while being sent")
-
-
-class ChunkAssembler:
-    """The receiving host's side of a cross-host transfer: writes chunks from ``chunk_frames`` into
-    a local writer's free buffer and commits the version once every byte has arrived and checked out.
-
-    The local writer (weight set ``name`` on this host) is created from the manifest in the first
-    chunk, or passed in. ``add`` returns the local location when a version is complete, else None.
-    A chunk of a newer version abandons an unfinished older one, and a chunk that fails its checks
-    abandons its version (raising ChunkError): an abandoned version is never committed, and the next
-    announced version heals the host.
-    """
-
-    def __init__(self, name: str, writer: ShmWeightWriter | None = None):
-        self.name = name
-        self.writer = writer
-        self._version: int | None = None
-        self._data: memoryview | None = None
-        self._seen: set[int] = set()
-        self._received = 0
-        self._expect: tuple[int, int] | None = None  # (count, total) of the version in progress
-        self._abandoned = -1  # newest version given up on: its late chunks are refused, not restarted
-
-    def add(self, header: Mapping, payload) -> str | None:
-        try:
-            version, index, count = int(header["version"]), int(header["index"]), int(header["count"])
-            off, nbytes, total = int(header["offset"]), int(header["nbytes"]), int(header["total"])
-            crc, layout_crc = int(header["crc"]), int(header["layout_crc"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ChunkError(f"malformed chunk header: {exc!r}") from None
-        buf = payload.buffer if hasattr(payload, "buffer") else memoryview(payload)  # zmq.Frame or bytes-like
-        if self.writer is None:
-            if "manifest" not in header:
-                raise ChunkError(f"chunk {index} of version {version} before any manifest")
-            try:
-                layout = Layout.from_manifest(header["manifest"])
-            except (ValueError, TypeError) as exc:
-                raise ChunkError(f"bad manifest: {exc}") from None
-            self.writer = ShmWeightWriter(self.name, layout)
-        if layout_crc != self.writer.layout.crc or total != self.writer.nbytes:
-            raise ChunkError(f"version {version}: layout differs from this host's weight set {self.name!r}")
-        if self._version is None or version > self._version:
-            if self._version is not None:
-                self._drop()
-            latest = self.writer.ledger.latest
-            if version <= max(self._abandoned, -1 if latest is None else latest):
-                raise ChunkError(f"chunk of version {version}, which is already committed or abandoned")
-            self._data = self.writer.begin(version)  # BufferBusy propagates: local readers must let go first
-            self._version, self._expect = version, (count, total)
-        elif version < self._version:
-            raise ChunkError(f"chunk of version {version} while assembling {self._version}")
-        if (count, total) != self._expect or not 0 <= index < count or index in self._seen:
-            self._drop()
-            raise ChunkError(f"version {version}: chunk {index}/{count} unexpected or repeated; version abandoned")
-        if buf.nbytes != nbytes or off < 0 or off + nbytes > total or zlib.crc32(buf) != crc:
-            self._drop()
-            raise ChunkError(f"version {version}: chunk {index} fails its size or checksum; version abandoned")
-        self._data[off:off + nbytes] = buf.cast("B") if buf.format != "B" else buf
-        self._seen.add(index)
-        self._received += nbytes
-        if len(self._seen) < count:
-            return None
-        if self._received != total:
-            raise ChunkError(f"version {version}: {self._received} bytes for a total of {total}")
-        self._reset()
-        return self.writer.commit(version)
-
-    def _drop(self) -> None:
-        """Give up the version in progress: it is never committed, and its remaining chunks are refused."""
-        self._abandoned = max(self._abandoned, self._version)
-        self.writer.abort()
-        self._reset()
-
-    def _reset(self) -> None:
-        if self._data is not None:
-            self._data.release()
-        self._data, self._version, self._expect = None, None, None
-        self._seen, self._received = set(), 0
-
-    def close(self) -> None:
-        if self._version is not None:
-            self._drop()
-        if self.writer is not None:
-            self.writer.close()

@@ -4,7 +4,7 @@ Host A (10.199.0.1) runs the bus, the agent and the trainer; host B (10.199.0.2)
 the weight broadcaster and the rollout worker. So trajectories cross the link twice (agent -> reward on
 B -> trainer on A), generation requests and completions cross it, the trainer's WeightsReady goes to
 the broadcaster on B and its announcements come back through the hub on A. A second test moves real
-weights across: a shared-memory weight set on A, cut into chunks (weights_shm.chunk_frames), sent over
+weights across: a shared-memory weight set on A, cut into chunks (weights_transfer.chunk_frames), sent over
 a CURVE socket and assembled into a weight set on B whose tensors must be identical. A third checks
 that a peer on B without the key gets nothing onto the bus.
 
@@ -180,7 +180,8 @@ import hashlib, json, sys, time, zmq, msgpack, torch
 from areal_bus.channels import open_socket
 from areal_bus.metrics import Metrics
 from areal_bus.security import bus_context, load_keys
-from areal_bus.weights_shm import ShmWeightWriter, chunk_frames
+from areal_bus.weights_shm import ShmWeightWriter
+from areal_bus.weights_transfer import chunk_frames
 key, endpoint, name = sys.argv[1:4]
 g = torch.Generator().manual_seed(11)
 state = {"embed": torch.randn(400, 64, generator=g).bfloat16(), "proj": torch.randn(64, 64, generator=g),
@@ -204,7 +205,8 @@ import hashlib, json, sys, zmq, msgpack, torch
 from areal_bus.channels import open_socket
 from areal_bus.metrics import Metrics
 from areal_bus.security import bus_context, load_keys
-from areal_bus.weights_shm import ChunkAssembler, ShmWeightReader
+from areal_bus.weights_shm import ShmWeightReader
+from areal_bus.weights_transfer import ChunkAssembler
 key, endpoint, name = sys.argv[1:4]
 ctx = bus_context(load_keys(key), Metrics(), None)
 pull = open_socket(ctx, zmq.PULL, endpoint, bind=True)
