@@ -6,9 +6,9 @@ little more than "connection error" (or Claude Code's "local proxy failed"); ``c
 which of the usual causes it is: nothing listening on the port, the port held by some other program,
 or a gateway that is not ready yet.
 
-    from areal_bus.gateway_client import check_gateway, openai_client
+    from areal_bus.gateway_client import check_gateway
     check_gateway("http://127.0.0.1:9000/v1", wait_s=30)     # raises GatewayError with the fix
-    client = openai_client("http://127.0.0.1:9000/v1", os.environ["AREAL_BUS_API_KEY"])
+    client = openai.OpenAI(base_url="http://127.0.0.1:9000/v1", api_key=os.environ["AREAL_BUS_API_KEY"])
 
 Only the standard library is used here, so an agent process needs nothing of ours but this module.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 import socket
 import time
 from urllib.parse import urlsplit
@@ -203,18 +202,3 @@ def check_gateway(base_url: str, timeout: float = 2.0, api_key: str | None = Non
             if err.kind not in ("unreachable", "not_ready") or time.monotonic() + WAIT_POLL_S > deadline:
                 raise
         time.sleep(WAIT_POLL_S)
-
-
-def openai_client(base_url: str, api_key: str, check: bool = True, **kwargs):
-    """An ``openai.OpenAI`` pointed at the gateway, after ``check_gateway`` (so a dead or wrong port
-    fails here, with its fix, rather than as the SDK's bare "Connection error" on the first call)."""
-    try:
-        import openai
-    except ImportError:
-        raise ImportError("the openai package is not installed: .venv/bin/pip install openai") from None
-    if api_key != api_key.strip() or re.search(r"\s", api_key):
-        raise GatewayError("unauthorized", f"the API key has stray whitespace ({len(api_key)} chars)",
-                           "strip it: spaces or a newline in the key make the gateway answer 401")
-    if check:
-        check_gateway(base_url, api_key=api_key)
-    return openai.OpenAI(base_url=base_url, api_key=api_key, **kwargs)
