@@ -1,0 +1,135 @@
+"""The trainer's policy on transformers' model classes: every architecture users bring trains on CPU
+with a tiny random config (packed log-probabilities equal the unpacked ones, one PPO step, a
+checkpoint that reloads to the same numbers), and float32 master weights keep an lr 1e-6 update
+that pure bfloat16 loses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from areal_bus.loss import decoupled_ppo_loss
+from areal_bus.modeling import logprobs_of
+from areal_bus.train_model import autocast, export_state_dict, load_policy, pack, packed_logprobs
+from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
+
+
+_COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256)
+ARCHITECTURES = {
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=8, tie_word_embeddings=True)),
+    "llama3": ("LlamaConfig", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 64},
+                                   tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", dict(sliding_window=None, tie_word_embeddings=False)),
+    "smollm2": ("LlamaConfig", dict(tie_word_embeddings=True, rms_norm_eps=1e-5)),  # SmolLM2 is a Llama
+}
+
+
+def _save_random(kind: str, folder) -> None:
+    import transformers
+
+    cls_name, extra = ARCHITECTURES[kind]
+    cfg = getattr(transformers, cls_name)(**_COMMON, **extra)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+
+
+def _samples(rng, lengths, vocab=96) -> list[dict]:
+    out = []
+    for n in lengths:
+        prompt = n // 3
+        mask = np.r_[np.zeros(prompt), np.ones(n - prompt)].astype(np.float32)
+        out.append({"ids": rng.integers(3, vocab, n), "mask": mask, "behav": -np.ones(n, np.float32) * mask,
+                    "adv": float(rng.standard_normal())})
+    return out
+
+
+def _unpacked_logprobs(model, ids: np.ndarray) -> torch.Tensor:
+    x = torch.from_numpy(ids.astype(np.int64))[None]
+    logits = model(input_ids=x, use_cache=False).logits
+    return torch.cat([torch.zeros(1), logprobs_of(logits[0, :-1], x[0, 1:])])
+
+
+@pytest.mark.parametrize("kind", sorted(ARCHITECTURES))
+def test_each_architecture_packs_trains_and_reloads(kind, tmp_path):
+    _save_random(kind, tmp_path / "start")
+    model = load_policy(tmp_path / "start")
+    assert next(model.parameters()).dtype == torch.float32
+    samples = _samples(np.random.default_rng(1), [11, 7, 19])
+    (packed,) = pack(samples, max_tokens=64)
+    lp, ent = packed_logprobs(model, packed, chunk=8, entropy=True)
+    for i, start, n in packed.rows:  # attention never crosses samples: packed == one by one
+        torch.testing.assert_close(lp[start:start + n], _unpacked_logprobs(model, samples[i]["ids"]),
+                                   atol=2e-5, rtol=1e-5)
+    assert ent is not None and bool((ent[packed.mask > 0] > 0).all())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss, _ = decoupled_ppo_loss(lp, lp.detach(), packed.behav, packed.adv, packed.mask)
+    loss.backward()
+    opt.step()
+    after, _ = packed_logprobs(model, packed)
+    assert not torch.allclose(after, lp.detach())  # the step changed the policy
+    model.save_pretrained(tmp_path / "ckpt")
+    again = load_policy(tmp_path / "ckpt")
+    with torch.no_grad():
+        torch.testing.assert_close(packed_logprobs(again, packed)[0], after.detach(), atol=1e-6, rtol=1e-6)
+
+
+def test_packing_caps_micro_batches_and_keeps_order():
+    samples = _samples(np.random.default_rng(2), [30, 30, 50, 90, 10])
+    parts = pack(samples, max_tokens=64)
+    assert [[r[0] for r in p.rows] for p in parts] == [[0, 1], [2], [3], [4]]  # 90 > 64 goes alone
+    assert [p.tokens for p in parts] == [60, 50, 90, 10]
+    first = parts[0]
+    assert first.positions[0, :31].tolist() == list(range(30)) + [0]  # positions restart per sample
+
+
+def test_chunked_logprobs_equal_whole_logits_and_their_gradients(tmp_path):
+    _save_random("qwen2", tmp_path / "m")
+    model = load_policy(tmp_path / "m")
+    (packed,) = pack(_samples(np.random.default_rng(3), [40, 25]), max_tokens=128)
+    grads = []
+    for chunk in (7, 10_000):
+        model.zero_grad()
+        lp, _ = packed_logprobs(model, packed, temperature=0.7, chunk=chunk)
+        (lp * packed.mask).sum().backward()
+        grads.append((lp.detach(), model.model.embed_tokens.weight.grad.clone()))
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[0][1], grads[1][1], atol=1e-5, rtol=1e-4)
+
+
+def test_fp32_master_weights_keep_an_lr_1e6_update_that_pure_bf16_loses(tmp_path):
+    _save_random("llama3", tmp_path / "m")
+    (packed,) = pack(_samples(np.random.default_rng(4), [24, 24]), max_tokens=64)
+
+    def one_step(model, compute_dtype):
+        before = {k: v.detach().float().clone() for k, v in model.named_parameters()}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+        with autocast(torch.device("cpu"), compute_dtype):
+            lp, _ = packed_logprobs(model, packed)
+            loss = -(lp * packed.adv * packed.mask).sum() / packed.mask.sum()
+        loss.backward()
+        opt.step()
+        return {k: v.detach().float() - before[k] for k, v in model.named_parameters()}
+
+    reference = one_step(load_policy(tmp_path / "m"), torch.float32)
+    master = one_step(load_policy(tmp_path / "m"), torch.bfloat16)  # fp32 weights, bf16 compute
+    pure = one_step(load_policy(tmp_path / "m").to(torch.bfloat16), torch.bfloat16)
+    name = "model.layers.0.mlp.down_proj.weight"
+    ref = reference[name]
+    moved = lambda delta: float((delta != 0).float().mean())
+    assert moved(ref) > 0.99 and moved(master[name]) > 0.99
+    # Adam's first step moves each weight by ~lr in the gradient's sign: bf16 compute keeps the signs.
+    assert float((torch.sign(master[name]) == torch.sign(ref)).float().mean()) > 0.9
+    torch.testing.assert_close(master[name].abs().mean(), ref.abs().mean(), rtol=0.05, atol=0)
+    assert moved(pure[name]) < 0.05  # bf16 weights: a 1e-6 step is below their resolution, rounded away
+
+
+def test_exported_weights_drop_a_tied_head_and_take_the_rollout_dtype(tmp_path):
+    _save_random("qwen2", tmp_path / "m")
+    sd = export_state_dict(load_policy(tmp_path / "m"), "bfloat16")
+    assert "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd
+    assert {v.dtype for v in sd.values()} == {torch.bfloat16}
