@@ -242,7 +242,7 @@ def test_topology_accepts_vllm_on_cuda_and_refuses_it_elsewhere():
 
 
 def test_without_vllm_the_rollout_node_names_the_extra_to_install(monkeypatch):
-    from nodes.rollout import make_engine
+    from areal_bus.engines.rollout_factory import make_engine
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed, whether or not it is
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")

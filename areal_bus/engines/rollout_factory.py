@@ -1,0 +1,83 @@
+"""The rollout engine a topology names, built with its weight transport: what a rollout worker drives.
+
+``make_engine(topo, worker, replica, base)`` returns a ``BuiltRolloutEngine``: the engine (the
+``RolloutEngine`` interface of ``engines.base``) and ``release_upto``, which lets go of the weight
+buffers the engine no longer reads. The worker calls both the same way whatever the engine's kind,
+so the choice of engine (sim, torch, vLLM) and of weight transport (shared memory, CUDA IPC) is made
+here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from areal_bus.engines.base import RolloutEngine
+from areal_bus.engines.sim import SimRolloutEngine
+
+
+class BuiltRolloutEngine(NamedTuple):
+    engine: RolloutEngine
+    """Generates: continuous batching, every token tagged with the version that produced it."""
+    release_upto: Callable[[int], None]
+    """``release_upto(version)``: the engine has copied the weights of ``version`` into its own
+    parameters, so the buffers of it and of every older version may go back to the broadcaster."""
+
+
+def _keeps_nothing(version: int) -> None:
+    """For engines that hold no transport buffer after a swap (simulated weights; vLLM, whose worker
+    copies each version into its parameters and lets the buffer go itself)."""
+
+
+def make_engine(topo, worker: str, replica: int, base=None) -> BuiltRolloutEngine:
+    """The engine ``topo.rollout_engine`` configures for rollout replica ``replica`` (node id ``worker``).
+    Raises FileNotFoundError for a torch engine whose model.path holds no checkpoint, and ImportError
+    (naming the extra to install) for vLLM where it is not installed."""
+    cfg = topo.rollout_engine
+    if cfg.kind == "sim":
+        return BuiltRolloutEngine(SimRolloutEngine(cfg, worker), _keeps_nothing)
+    if cfg.kind == "vllm":
+        from areal_bus.engines.vllm_engine import engine_from_topology
+
+        return BuiltRolloutEngine(engine_from_topology(topo, worker, replica, base), _keeps_nothing)
+    return _torch_engine(topo, worker, replica, base)
+
+
+def _torch_engine(topo, worker: str, replica: int, base) -> BuiltRolloutEngine:
+    from areal_bus.engines.torch_engine import TorchRolloutEngine
+    from areal_bus.weights_shm import ShmWeightReader
+
+    cfg = topo.rollout_engine
+    path = topo.model_path(base)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"model.path {path} holds no checkpoint (config.json); build the default with "
+                                f"`python scripts/warmstart.py --out {topo.model.path}` or point model.path at one")
+    import torch
+
+    torch.set_num_threads(topo.model.threads)
+    reader = ShmWeightReader(topo.shm_name(base))
+    cuda_reader = None  # (mtime of the handles file, CudaWeightReader), opened on the first "cuda:" location
+
+    def load_weights(location: str):
+        # "cuda:..." when the trainer's writer is on a GPU (CUDA IPC, handles opened once), else shared memory.
+        nonlocal cuda_reader
+        if not location.startswith("cuda:"):
+            return reader.open(location)
+        from areal_bus.weights_cuda import CudaWeightReader, handles_path, load_handles
+
+        handles = handles_path(topo.ipc_dir(base), topo.shm_name(base))
+        stamp = handles.stat().st_mtime_ns
+        if cuda_reader is None or cuda_reader[0] != stamp:  # a restarted trainer exports new buffers
+            cuda_reader = (stamp, CudaWeightReader(load_handles(handles)))
+        return cuda_reader[1].open(location)
+
+    engine = TorchRolloutEngine(path, max_batch=cfg.max_batch, max_len=cfg.max_len, device=topo.model.device,
+                                dtype=topo.model.dtype, seed=topo.model.seed * 1000 + replica, worker=worker,
+                                weight_loader=load_weights)
+
+    def release_upto(version: int) -> None:
+        # The engine copies weights into its own parameters at the swap: older buffers are free now.
+        for held in reader.held:
+            if held <= version:
+                reader.release(held)
+
+    return BuiltRolloutEngine(engine, release_upto)

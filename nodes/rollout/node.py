@@ -1,0 +1,103 @@
+"""The rollout worker on the bus: ``RolloutCore`` wired to its sockets.
+
+It reads the agents' ``work`` channel (PULL), answers on each agent's ``replies`` channel (PUSH), and
+holds a DEALER per gateway on ``gwork`` (named by its node id, so a gateway can address it: sticky
+sessions) that carries that gateway's requests in and their completions and stream parts back.
+
+Run: areal-bus node rollout --topology topology/default.yaml --replica 0
+"""
+
+from __future__ import annotations
+
+import zmq
+
+from areal_bus import messages as m
+from areal_bus.channels import Receiver, ReliableSender, open_socket
+from areal_bus.constants import POLL_MS, WORK_HWM
+from areal_bus.engines.rollout_factory import make_engine
+from areal_bus.node import NodeShell
+from nodes.rollout.core import Reply, RolloutCore, StepLog
+
+
+class _Sockets:
+    """The worker's data sockets: where requests come from and where each answer goes."""
+
+    def __init__(self, shell: NodeShell, topo):
+        slots = topo.rollout_engine.max_batch  # a reply outbox as deep as the batch
+        n_agents = topo.replicas("agent")
+        self.work = open_socket(shell.ctx, zmq.PULL, [shell.endpoint("work", i) for i in range(n_agents)],
+                                bind=False, hwm=WORK_HWM)
+        self.agents = [ReliableSender(open_socket(shell.ctx, zmq.PUSH, shell.endpoint("replies", i), bind=False,
+                                                  hwm=topo.queue_max_size),
+                                      shell.encoder, shell.metrics, f"reply{i}", capacity=slots, track_acks=False)
+                       for i in range(n_agents)]
+        self.gsocks = [open_socket(shell.ctx, zmq.DEALER, shell.endpoint("gwork", j), bind=False,
+                                   hwm=topo.queue_max_size, identity=shell.node_id.encode())
+                       for j in range(topo.replicas("gateway"))]
+        for sock in self.gsocks:
+            sock.linger = 0
+        self.gateways = [ReliableSender(sock, shell.encoder, shell.metrics, f"gw{j}", capacity=slots, track_acks=False)
+                         for j, sock in enumerate(self.gsocks)]
+        # Gateway requests first: a person (or an agent) is waiting on each of them.
+        self.sources = [*((j, Receiver(s, shell.metrics, shell.log)) for j, s in enumerate(self.gsocks)),
+                        (None, Receiver(self.work, shell.metrics, shell.log))]
+        self.poller = zmq.Poller()
+        for sock in (shell.sub, self.work, *self.gsocks):
+            self.poller.register(sock, zmq.POLLIN)
+        self.encoder = shell.encoder
+
+    @property
+    def outboxes(self) -> list[ReliableSender]:
+        return [*self.agents, *self.gateways]
+
+    def send(self, replies: list[Reply]) -> None:
+        for to, comp in replies:
+            (self.agents if to.kind == "agent" else self.gateways)[to.index].offer(comp.request_id, comp)
+
+    def send_partial(self, j: int, part: m.PartialCompletion) -> bool:
+        """Best effort: False if gateway ``j``'s queue is full (the part is due again next step)."""
+        try:
+            self.gsocks[j].send_multipart(self.encoder.encode(part), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
+
+
+def run(topo, replica: int = 0, base=None) -> int:
+    shell = NodeShell(topo, "rollout", replica, base=base, watch=("agent", "weights"), topics=(m.TOPIC_VERSION,))
+    shell.install_signal_handlers()
+    bus = _Sockets(shell, topo)
+    engine, release_upto = make_engine(topo, shell.node_id, replica, base)
+    core = RolloutCore(engine, shell.node_id, topo.replicas("agent"), StepLog(topo), release_upto=release_upto,
+                       metrics=shell.metrics, log=shell.log)
+    shell.announce_start(engine=topo.rollout_engine.kind, max_batch=topo.rollout_engine.max_batch)
+    shell.start_heartbeat()
+    try:
+        while not shell.stopping.is_set():
+            # Safe point: between two decode steps.
+            for ack in core.on_hub(msg for _, msg in shell.drain_hub()):
+                shell.publish(m.TOPIC_VERSION_ACK, ack)
+            shell.policy = core.serving  # what the heartbeat reports: served, not merely announced
+            bus.send(core.start_waiting())
+            # Read work only with a free slot and room in every outbox: a slow consumer becomes backpressure.
+            for gateway, rx in bus.sources:
+                while core.has_room and not any(r.full for r in bus.outboxes):
+                    got = rx.recv()
+                    if got is None:
+                        break
+                    why = core.malformed(got[1], gateway)
+                    if why:
+                        rx.drop(why, type(got[1]).__name__)
+                    else:
+                        bus.send(core.on_request(got[1], gateway))
+            shell.inflight = core.inflight
+            bus.send(core.step())
+            for j, part in core.partials():
+                core.reported(part, bus.send_partial(j, part))
+            for r in bus.outboxes:
+                r.flush()
+            if core.idle:
+                bus.poller.poll(POLL_MS if not any(r.pending for r in bus.outboxes) else 5)
+    finally:
+        shell.close()
+    return 0
