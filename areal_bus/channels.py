@@ -125,8 +125,8 @@ class ReliableSender:
         """True when the caller should stop producing: the consumer is not keeping up."""
         return len(self.pending) >= self.capacity
 
-    def offer(self, key: str, msg, versions=()) -> None:
-        self.pending[key] = self.encoder.encode(msg, versions)
+    def offer(self, key: str, msg) -> None:
+        self.pending[key] = self.encoder.encode(msg)
         self.flush()
 
     def flush(self) -> int:

@@ -2,19 +2,24 @@
 
 Frames of one message: ``[header, buf_0, buf_1, ...]`` where header is a msgpack array
 
-    [wire_version, tag, producer, seq, msg_id, policy_versions, body, arrays]
+    [wire_version, tag, producer, body, arrays]
 
 ``body`` maps scalar field names to values; ``arrays`` lists ``[name, dtype, shape]`` for each raw
 buffer frame that follows, in order. Arrays are sent without copying (pyzmq copies small frames
 anyway, below its copy threshold) and decoded with ``np.frombuffer`` on the received frame: no copy
 on either side. Every check a hostile or garbled frame could fail raises ``DecodeError``, which
 channels count, log and drop.
+
+The envelope carries only what a receiver acts on: the wire version (refuse what it cannot read), the
+tag (which message) and the producer (who sent it, for logs and tests). No sequence number, message id
+or policy versions: nothing read them, and the message id cost an ``os.urandom`` per message. The
+policy version a payload was made under is part of the message itself (``Trajectory.versions``,
+``VersionAnnounce.lineage``/``version``), where the node that needs it reads it.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import types
 import typing
 from dataclasses import MISSING, dataclass, fields
@@ -49,9 +54,6 @@ class Envelope:
     wire_version: int
     tag: str
     producer: str
-    seq: int
-    msg_id: bytes
-    versions: tuple[int, ...]
 
 
 class _Spec:
@@ -145,14 +147,13 @@ def _check_scalar(name: str, value, allowed: tuple[type, ...]):
 
 
 class Encoder:
-    """Turns messages into frames for one producer, numbering them."""
+    """Turns messages into frames for one producer."""
 
     def __init__(self, producer: str):
         self.producer = producer
-        self.seq = 0
         self._packer = msgpack.Packer(use_bin_type=True)
 
-    def encode(self, msg, versions: typing.Sequence[int] = ()) -> list:
+    def encode(self, msg) -> list:
         spec = _SPECS[msg.TAG]
         body = {name: getattr(msg, name) for name in spec.scalar_order}
         metas, bufs = [], []
@@ -164,10 +165,7 @@ class Encoder:
             metas.append([name, dname, list(arr.shape)])
             # A flat uint8 view, still no copy: memoryview cannot export ml_dtypes types (bfloat16).
             bufs.append(memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b"")
-        self.seq += 1
-        header = self._packer.pack(
-            [WIRE_VERSION, msg.TAG, self.producer, self.seq, os.urandom(16), [int(v) for v in versions], body, metas]
-        )
+        header = self._packer.pack([WIRE_VERSION, msg.TAG, self.producer, body, metas])
         return [header, *bufs]
 
 
@@ -189,18 +187,16 @@ def decode(frames: typing.Sequence) -> tuple[Envelope, object]:
         header = msgpack.unpackb(head, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage; all mean the same
         raise DecodeError("bad_msgpack", type(exc).__name__) from None
-    if not isinstance(header, list) or len(header) != 8:
+    if not isinstance(header, list) or len(header) != 5:
         raise DecodeError("bad_envelope")
-    wire_version, tag, producer, seq, msg_id, versions, body, metas = header
+    wire_version, tag, producer, body, metas = header
     if wire_version != WIRE_VERSION:
         raise DecodeError("wire_version", repr(wire_version)[:32])
     spec = _SPECS.get(tag) if isinstance(tag, str) else None
     if spec is None:
         raise DecodeError("unknown_type", repr(tag)[:32])
-    if not (isinstance(producer, str) and isinstance(seq, int) and isinstance(msg_id, bytes)):
-        raise DecodeError("bad_envelope", "producer/seq/msg_id")
-    if not (isinstance(versions, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in versions)):
-        raise DecodeError("bad_envelope", "versions")
+    if not isinstance(producer, str):
+        raise DecodeError("bad_envelope", "producer")
     if not isinstance(body, dict) or not isinstance(metas, list):
         raise DecodeError("bad_envelope", "body/arrays")
     kwargs = {}
@@ -220,7 +216,7 @@ def decode(frames: typing.Sequence) -> tuple[Envelope, object]:
         raise DecodeError("array_count", f"{len(metas)} metas, {len(frames) - 1} frames")
     for expected, meta, frame in zip(spec.arrays, metas, frames[1:]):
         kwargs[expected] = _array(expected, meta, frame)
-    env = Envelope(wire_version, tag, producer, seq, msg_id, tuple(versions))
+    env = Envelope(wire_version, tag, producer)
     return env, spec.cls(**kwargs)
 
 

@@ -147,8 +147,8 @@ class NodeShell:
                            inflight=list(self.inflight))
 
     # -- hub ------------------------------------------------------------------------------------
-    def publish(self, topic: bytes, msg, versions=()) -> None:
-        self.pub.send_multipart(pack_topic(topic, self.encoder.encode(msg, versions)), copy=False)
+    def publish(self, topic: bytes, msg) -> None:
+        self.pub.send_multipart(pack_topic(topic, self.encoder.encode(msg)), copy=False)
 
     def event(self, name: str, **fields) -> None:
         """Log something a person should see and put it on the bus for the probe."""

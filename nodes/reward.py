@@ -259,7 +259,7 @@ def run(topo, replica: int = 0, base=None) -> int:
                 got = inbox.recv()
                 if got is None:
                     break
-                env, traj = got
+                _, traj = got
                 if not isinstance(traj, m.Trajectory):
                     inbox.drop("wrong_type", type(traj).__name__)
                     continue
@@ -270,7 +270,7 @@ def run(topo, replica: int = 0, base=None) -> int:
                     # only make its producer resend it); counted and logged like a bad frame.
                     inbox.drop("unverifiable", str(err))
                     traj.reward = 0.0
-                sender.offer(traj.traj_id, traj, env.versions)
+                sender.offer(traj.traj_id, traj)
                 shell.metrics.inc("samples")
                 shell.metrics.inc("tokens", int(traj.output_ids.size))
             sender.flush()

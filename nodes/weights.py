@@ -23,39 +23,41 @@ from areal_bus import messages as m
 from areal_bus.channels import Receiver, open_socket
 from areal_bus.constants import HEARTBEAT_INTERVAL_S, POLL_MS
 from areal_bus.node import NodeShell
-from areal_bus.version import PolicyVersion
+from areal_bus.version import NONE, PolicyVersion
 
 
 class VersionBook:
-    """Which worker serves which version. Holds no sockets."""
+    """Which worker serves which version. Holds no sockets. Every comparison is of PolicyVersions:
+    a restarted trainer's lineage is newer even where its version number is lower."""
 
     def __init__(self):
         self.current: m.VersionAnnounce | None = None  # nothing to announce until the trainer says
-        self.serving: dict[str, tuple[str, int]] = {}  # worker -> (lineage, version) it serves
-        self.committed: tuple[str, int] = ("", -1)
+        self.serving: dict[str, PolicyVersion] = {}  # worker -> the version it serves
+        self.committed: PolicyVersion = NONE
 
     def offer(self, ready: m.WeightsReady) -> m.VersionAnnounce | None:
         """Take a WeightsReady if it is newer than the current version; the announcement, or None."""
-        if self.current is not None and (ready.lineage, ready.version) <= (self.current.lineage, self.current.version):
+        if self.current is not None and PolicyVersion.of(ready) <= PolicyVersion.of(self.current):
             return None
         self.current = m.VersionAnnounce(version=ready.version, location=ready.location, nbytes=ready.nbytes,
                                          published_at=time.time(), lineage=ready.lineage)
         return self.current
 
     def ack(self, node_id: str, version: int, lineage: str = "") -> None:
-        self.serving[node_id] = max((lineage, version), self.serving.get(node_id, ("", -1)))
+        """``node_id`` serves (lineage, version) now; a late ack of an older one changes nothing."""
+        self.serving[node_id] = max(PolicyVersion(lineage, version), self.serving.get(node_id, NONE))
 
     def newly_committed(self, live_workers: list[str]) -> int | None:
-        """The current version, once, when every live worker serves it (at once if none is alive:
-        nobody holds an older buffer, and a worker that joins maps the current one)."""
+        """The current version's number, once, when every live worker serves it (at once if none is
+        alive: nobody holds an older buffer, and a worker that joins maps the current one)."""
         if self.current is None:
             return None
-        cur = (self.current.lineage, self.current.version)
+        cur = PolicyVersion.of(self.current)
         if cur <= self.committed:
             return None
-        if all(self.serving.get(w, ("", -1)) >= cur for w in live_workers):
+        if all(self.serving.get(w, NONE) >= cur for w in live_workers):
             self.committed = cur
-            return cur[1]
+            return cur.version
         return None
 
 
@@ -85,7 +87,7 @@ def run(topo, replica: int = 0, base=None) -> int:
                     last_announce = 0.0
             now = time.monotonic()
             if book.current is not None and now - last_announce >= HEARTBEAT_INTERVAL_S:
-                shell.publish(m.TOPIC_VERSION, book.current, (book.current.version,))
+                shell.publish(m.TOPIC_VERSION, book.current)
                 shell.policy = PolicyVersion.of(book.current)
                 last_announce = now
             workers = [p.node_id for p in shell.peers.alive("rollout")]
@@ -93,8 +95,7 @@ def run(topo, replica: int = 0, base=None) -> int:
             if v is not None:
                 lag = time.time() - book.current.published_at
                 shell.metrics.inc("versions_committed")
-                shell.publish(m.TOPIC_VERSION_COMMITTED, m.VersionCommitted(version=v, lineage=book.current.lineage),
-                              (v,))
+                shell.publish(m.TOPIC_VERSION_COMMITTED, m.VersionCommitted(version=v, lineage=book.current.lineage))
                 shell.metrics.gauge("commit_latency_s", lag)
                 shell.log.info("committed", version=v, serving=f"{len(workers)}/{len(workers)}",
                                latency_ms=round(lag * 1000, 1))

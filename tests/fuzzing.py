@@ -4,7 +4,7 @@ small simulated system of real node processes to throw them at.
 
 Mutations (``Mutator.garble``): truncated, flipped, spliced, dropped, duplicated, swapped and extra
 frames; an empty or a frame-flooded multipart; envelopes with a slot replaced (wire version, tag,
-producer, seq, id, versions, body, array metas); bodies with a field of the wrong type, missing or
+producer, body, array metas); bodies with a field of the wrong type, missing or
 unknown; array metas with another or an unknown dtype, wrong or absurd shapes (negative, bool,
 float, 2**64 - 1), the wrong name; array frames of the wrong size; headers that are not msgpack,
 msgpack of junk, msgpack that declares a 4 GiB string, array or map, and headers over the size cap.
@@ -32,7 +32,7 @@ import zmq
 
 from areal_bus import messages as m
 from areal_bus.codec import DTYPES, DecodeError, Encoder, decode
-from areal_bus.constants import MAX_FRAMES, MAX_HEADER_BYTES
+from areal_bus.constants import MAX_FRAMES, MAX_HEADER_BYTES, WIRE_VERSION
 
 REPO = Path(__file__).resolve().parents[1]
 EXTREME_INTS = (0, 1, -1, 2**31 - 1, -(2**31), 2**32, 2**53 + 1, 2**63 - 1, -(2**63), 2**64 - 1)
@@ -198,11 +198,11 @@ class Mutator:
         if head is None:
             return fr
         r = self.rnd
-        slot = r.randrange(9)
-        if slot == 8:
+        slot = r.randrange(6)
+        if slot == 5:
             head = head[:r.randrange(len(head))] if r.random() < 0.5 else head + [self.junk()]
         elif slot == 0:
-            head[0] = r.choice((0, 2, -1, 2**64 - 1, "1", 1.0, None))
+            head[0] = r.choice((0, WIRE_VERSION + 1, -1, 2**64 - 1, "1", 1.0, None))
         elif slot == 1:
             head[1] = r.choice((r.choice(list(m.REGISTRY)), "", "nope", 7, None, b"traj"))
         else:
@@ -211,9 +211,9 @@ class Mutator:
 
     def _body(self, fr):
         head = self._unpacked(fr)
-        if head is None or not isinstance(head[6], dict):
+        if head is None or not isinstance(head[3], dict):
             return fr
-        body, r = head[6], self.rnd
+        body, r = head[3], self.rnd
         how = r.randrange(4)
         if how == 0 and body:
             body[r.choice(list(body))] = self.junk()
@@ -222,16 +222,16 @@ class Mutator:
         elif how == 2:
             body[self.junk_key()] = self.junk()
         else:
-            head[6] = self.junk()
+            head[3] = self.junk()
         return [self._pack(head), *fr[1:]]
 
     def _metas(self, fr):
         head = self._unpacked(fr)
-        if head is None or not isinstance(head[7], list):
+        if head is None or not isinstance(head[4], list):
             return fr
-        metas, r = head[7], self.rnd
+        metas, r = head[4], self.rnd
         if not metas or r.random() < 0.15:
-            head[7] = metas + [["extra", "int32", [1]]] if r.random() < 0.5 else self.junk()
+            head[4] = metas + [["extra", "int32", [1]]] if r.random() < 0.5 else self.junk()
             return [self._pack(head), *fr[1:]]
         i = r.randrange(len(metas))
         meta = metas[i]
@@ -298,8 +298,7 @@ class Mutator:
                 setattr(msg, f.name, np.full(shape, r.choice((-1, 0, 1, 127)), dtype=np.int64).astype(dt))
             else:
                 setattr(msg, f.name, self._odd(hints[f.name]))
-        versions = [r.choice(EXTREME_INTS) for _ in range(r.randrange(3))]
-        return as_bytes(self.enc.encode(msg, versions))
+        return as_bytes(self.enc.encode(msg))
 
     def _odd(self, hint, depth: int = 0):
         r = self.rnd

@@ -23,8 +23,8 @@ from areal_bus.constants import MAX_FRAMES, MAX_HEADER_BYTES, WIRE_VERSION
 ARRAY_FIELDS = m.Trajectory.ARRAYS
 
 
-def _frames(msg, versions=()) -> list[bytes]:
-    return [bytes(f) for f in Encoder("rollout-0").encode(msg, versions)]
+def _frames(msg) -> list[bytes]:
+    return [bytes(f) for f in Encoder("rollout-0").encode(msg)]
 
 
 def _assert_same_trajectory(got: m.Trajectory, sent: m.Trajectory) -> None:
@@ -83,14 +83,16 @@ def test_multidimensional_and_strided_arrays_round_trip(make_traj):
     np.testing.assert_array_equal(got.prompt_ids, sent.prompt_ids)
 
 
-def test_envelope_carries_producer_sequence_id_and_policy_versions(make_traj):
-    enc = Encoder("reward-0")
-    env1, _ = decode(enc.encode(make_traj("a"), versions=(4, 5)))
-    env2, _ = decode(enc.encode(make_traj("b")))
-    assert (env1.wire_version, env1.tag, env1.producer) == (WIRE_VERSION, "traj", "reward-0")
-    assert (env1.seq, env2.seq) == (1, 2)
-    assert env1.versions == (4, 5) and env2.versions == ()
-    assert len(env1.msg_id) == 16 and env1.msg_id != env2.msg_id
+def test_envelope_carries_wire_version_tag_and_producer(make_traj):
+    env, _ = decode(Encoder("reward-0").encode(make_traj("a")))
+    assert (env.wire_version, env.tag, env.producer) == (WIRE_VERSION, "traj", "reward-0")
+
+
+def test_the_same_message_encodes_to_the_same_bytes(make_traj):
+    # Nothing per-send in the envelope (no sequence number, no random id): a resent message is the
+    # same bytes, and encoding draws no randomness.
+    enc, sent = Encoder("reward-0"), make_traj("a")
+    assert [bytes(f) for f in enc.encode(sent)] == [bytes(f) for f in enc.encode(sent)]
 
 
 @pytest.mark.timeout(10)
@@ -156,7 +158,7 @@ def test_pickle_in_an_object_dtype_array_frame_is_refused_and_never_run(make_tra
     flag = tmp_path / "pwned"
     frames = _frames(make_traj())
     header = msgpack.unpackb(frames[0])
-    header[7][2][1] = "object"  # logprobs: ask the receiver to unpickle
+    header[4][2][1] = "object"  # logprobs: ask the receiver to unpickle
     frames[0] = msgpack.packb(header, use_bin_type=True)
     frames[3] = pickle.dumps(np.array([_Exploit(flag)], dtype=object))
     with pytest.raises(DecodeError) as err:
@@ -199,7 +201,7 @@ def _with_arrays(edit):
 
 def _empty_prompt_of_shape(shape):
     header, arrays = _valid()
-    header[7][0][2] = shape
+    header[4][0][2] = shape
     return [msgpack.packb(header, use_bin_type=True), b"", *arrays[1:]]
 
 
@@ -212,19 +214,20 @@ MALFORMED = {
     "too_many_frames": (lambda: _with_arrays(lambda a: a + [b""] * MAX_FRAMES), "too_many_frames"),
     "unknown_wire_version": (lambda: _with_header(lambda h: h.__setitem__(0, WIRE_VERSION + 1)), "wire_version"),
     "unknown_type": (lambda: _with_header(lambda h: h.__setitem__(1, "exec")), "unknown_type"),
-    "versions_not_ints": (lambda: _with_header(lambda h: h.__setitem__(5, ["1"])), "bad_envelope"),
-    "field_of_wrong_type": (lambda: _with_header(lambda h: h[6].__setitem__("ticket", "7")), "bad_field"),
-    "bool_for_an_int_field": (lambda: _with_header(lambda h: h[6].__setitem__("ticket", True)), "bad_field"),
-    "missing_field": (lambda: _with_header(lambda h: h[6].pop("traj_id")), "missing_field"),
-    "extra_field": (lambda: _with_header(lambda h: h[6].__setitem__("cmd", "rm -rf /")), "unknown_field"),
-    "extra_field_with_bytes_key": (lambda: _with_header(lambda h: h[6].__setitem__(b"cmd", 1)), "unknown_field"),
+    "producer_not_a_string": (lambda: _with_header(lambda h: h.__setitem__(2, 7)), "bad_envelope"),
+    "envelope_with_an_extra_item": (lambda: _with_header(lambda h: h.insert(3, 1)), "bad_envelope"),
+    "field_of_wrong_type": (lambda: _with_header(lambda h: h[3].__setitem__("ticket", "7")), "bad_field"),
+    "bool_for_an_int_field": (lambda: _with_header(lambda h: h[3].__setitem__("ticket", True)), "bad_field"),
+    "missing_field": (lambda: _with_header(lambda h: h[3].pop("traj_id")), "missing_field"),
+    "extra_field": (lambda: _with_header(lambda h: h[3].__setitem__("cmd", "rm -rf /")), "unknown_field"),
+    "extra_field_with_bytes_key": (lambda: _with_header(lambda h: h[3].__setitem__(b"cmd", 1)), "unknown_field"),
     "array_size_mismatch": (lambda: _with_arrays(lambda a: [a[0][:-1], *a[1:]]), "array_size"),
     "array_frame_missing": (lambda: _with_arrays(lambda a: a[:-1]), "array_count"),
     "array_frame_extra": (lambda: _with_arrays(lambda a: a + [b""]), "array_count"),
-    "array_meta_misnamed": (lambda: _with_header(lambda h: h[7][0].__setitem__(0, "output_ids")), "bad_array_meta"),
-    "unknown_dtype": (lambda: _with_header(lambda h: h[7][0].__setitem__(1, "complex128")), "bad_dtype"),
-    "negative_dim": (lambda: _with_header(lambda h: h[7][0].__setitem__(2, [-4])), "bad_shape"),
-    "bool_dim": (lambda: _with_header(lambda h: h[7][0].__setitem__(2, [True])), "bad_shape"),
+    "array_meta_misnamed": (lambda: _with_header(lambda h: h[4][0].__setitem__(0, "output_ids")), "bad_array_meta"),
+    "unknown_dtype": (lambda: _with_header(lambda h: h[4][0].__setitem__(1, "complex128")), "bad_dtype"),
+    "negative_dim": (lambda: _with_header(lambda h: h[4][0].__setitem__(2, [-4])), "bad_shape"),
+    "bool_dim": (lambda: _with_header(lambda h: h[4][0].__setitem__(2, [True])), "bad_shape"),
     # 2**32 * 2**32 wraps to 0 in int64: an empty frame must still be a size mismatch, not a reshape crash.
     "shape_overflowing_int64": (lambda: _empty_prompt_of_shape([2**32, 2**32]), "array_size"),
 }
@@ -301,16 +304,16 @@ _dims = st.lists(st.integers(-1, 2**64 - 1) | st.integers(0, 8) | st.booleans(),
 def _hostile_frames(draw):
     """A valid trajectory's frames with hostile values swapped in where a sender controls them."""
     header, arrays = _valid()
-    for key in draw(st.lists(st.sampled_from(sorted(header[6])) | st.text(max_size=4) | st.binary(max_size=4),
+    for key in draw(st.lists(st.sampled_from(sorted(header[3])) | st.text(max_size=4) | st.binary(max_size=4),
                              max_size=3)):
-        header[6][key] = draw(_any_value)
-    for meta in header[7]:
+        header[3][key] = draw(_any_value)
+    for meta in header[4]:
         if draw(st.booleans()):
             part = draw(st.integers(0, 2))
             meta[part] = draw([st.sampled_from(ARRAY_FIELDS) | _any_value,
                                st.sampled_from([*DTYPES, "object", "<i4"]) | _any_value,
                                _dims | _any_value][part])
-    for pos in range(1, 8):  # tag, producer, seq, msg_id, versions, body, metas
+    for pos in range(1, 5):  # tag, producer, body, metas
         if draw(st.integers(0, 7)) == 0:
             header[pos] = draw(_any_value)
     arrays = draw(st.just(arrays) | st.lists(st.binary(max_size=24), max_size=6))

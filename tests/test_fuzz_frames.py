@@ -72,7 +72,7 @@ _PACKABLE = st.recursive(
 
 
 @settings(max_examples=200)
-@given(tag=st.sampled_from(sorted(m.REGISTRY)), slot=st.integers(0, 7), value=_PACKABLE)
+@given(tag=st.sampled_from(sorted(m.REGISTRY)), slot=st.integers(0, 4), value=_PACKABLE)
 def test_decode_refuses_an_envelope_with_any_slot_replaced(tag, slot, value):
     frames = as_bytes(Encoder("p").encode(sample(m.REGISTRY[tag])))
     head = msgpack.unpackb(frames[0], raw=False)
@@ -100,7 +100,7 @@ def test_an_empty_array_with_absurd_dimensions_is_refused(shape):
                        logprobs=np.zeros(0, np.float32), versions=np.zeros(0, np.int32))
     frames = as_bytes(Encoder("p").encode(msg))
     head = msgpack.unpackb(frames[0], raw=False)
-    head[7][0][2] = shape
+    head[4][0][2] = shape
     with pytest.raises(DecodeError) as err:
         decode([msgpack.packb(head), *frames[1:]])
     assert err.value.reason == "bad_shape"

@@ -54,7 +54,7 @@ class BusBackend:
     streams_tokens = True
     """generate takes ``on_tokens`` (the gateway streams live text through it)."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, encoder: Encoder, metrics, version_fn=lambda: 0):
+    def __init__(self, ctx: zmq.Context, endpoint: str, encoder: Encoder, metrics):
         self.actx = zmq.asyncio.Context.shadow(ctx)
         self.sock = self.actx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown worker raises instead of dropping
@@ -63,7 +63,6 @@ class BusBackend:
         self.sock.bind(endpoint)
         self.encoder = encoder
         self.metrics = metrics
-        self.version_fn = version_fn
         self.live: set[str] = set()
         self.load: collections.Counter[str] = collections.Counter()
         self.sticky: dict[str, str] = {}
@@ -142,7 +141,7 @@ class BusBackend:
             request_id=rid, episode_id=session_id or rid, ticket=0, min_version=0, max_tokens=params.max_tokens,
             temperature=params.temperature, top_p=params.top_p, prompt_ids=np.asarray(prompt_ids, np.int32),
             stop=list(params.stop_token_ids), stream=on_tokens is not None)
-        frames = self.encoder.encode(req, (self.version_fn(),))
+        frames = self.encoder.encode(req)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._send(rid, fut, frames, session_id or None, on_tokens)
