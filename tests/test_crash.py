@@ -98,7 +98,7 @@ def test_a_restarted_trainers_lineage_is_announced_though_its_version_is_lower()
 
 def test_only_the_supervisord_that_started_a_run_recovers_it(tmp_path, make_traj):
     from areal_bus.spool import Spool
-    from nodes.trainer import plan_start, write_run_state
+    from nodes.trainer.recovery import plan_start, write_run_state
 
     ckpt = tmp_path / "checkpoints"
     spool = Spool(tmp_path / "spool.sqlite")

@@ -29,7 +29,7 @@ def test_two_gloo_ranks_match_one_process(model_dir, tmp_path, one_torch_thread)
         p_stats = parallel.train(trajs, version=0)
         p_weights = parallel.state_dict()  # gathered from the shards (rank 0)
     finally:
-        parallel.dp.close()
+        parallel.close()
     assert p_stats["loss"] == pytest.approx(s_stats["loss"], abs=1e-5)
     for name, a in single.model.state_dict().items():
         assert torch.allclose(a, p_weights[name], atol=1e-5), name

@@ -55,7 +55,7 @@ def _run(model_dir, tmp_path, trajs, resume=None, **layout):
         weights = engine.state_dict()
         folder = engine.save_checkpoint(tmp_path / name, 1, ["t"])
     finally:
-        engine.group.close()
+        engine.close()
     return stats, weights, folder
 
 

@@ -15,7 +15,7 @@ from areal_bus.episode import EpisodeRecord
 from areal_bus.messages import GenerateRequest
 from areal_bus.modeling import load_pretrained, token_logprobs
 from areal_bus.topology import parse_topology
-from nodes.trainer import resume_state
+from nodes.trainer.recovery import resume_state
 
 
 @pytest.fixture(autouse=True)

@@ -126,6 +126,9 @@ class SimRolloutEngine:
 
 
 class SimTrainEngine:
+    """Implements areal_bus.engines.train_engine.TrainEngine with modelled update times and no weights:
+    nothing to export, release, evaluate or close."""
+
     def __init__(self, cfg: TrainerEngineConfig, train_workers: int):
         self.cfg = cfg
         self.train_workers = train_workers
@@ -151,3 +154,15 @@ class SimTrainEngine:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "trainer_state.json").write_text(json.dumps({"version": version, "consumed": consumed}))
         return folder
+
+    def release(self, version: int) -> None:
+        pass
+
+    def load_optimizer(self, folder) -> None:
+        pass  # no optimizer: trainer_state.json, which the trainer reads itself, is the whole checkpoint
+
+    def evaluate(self, version: int) -> dict | None:
+        return None
+
+    def close(self, in_flight: bool = False) -> None:
+        pass

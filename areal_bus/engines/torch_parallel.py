@@ -55,8 +55,6 @@ CMD_WEIGHTS, CMD_OPTIMIZER, CMD_LOAD_OPTIMIZER = 2, 3, 4
 """Rank 0's commands besides train and stop: gather the full weights / AdamW's full state; load
 AdamW's state from the checkpoint the ranks started from (resume)."""
 
-SUPPORTED = "dp (data parallel, FSDP2) and tp (tensor parallel, DTensor)"
-
 # Which linear of a decoder layer is split which way under tensor parallelism.
 _TP_PLAN = {"self_attn.q_proj": "col", "self_attn.k_proj": "col", "self_attn.v_proj": "col",
             "self_attn.o_proj": "row", "mlp.gate_proj": "col", "mlp.up_proj": "col", "mlp.down_proj": "row"}
@@ -198,14 +196,14 @@ class ParallelTrainEngine(TorchTrainEngine):
     """TorchTrainEngine on dp x tp ranks. Rank 0's instance serves the node exactly as the single-process
     engine does; the others follow its commands (``main``)."""
 
-    def __init__(self, topo, model_path: str | Path, *, group: RankGroup, publish=None):
+    def __init__(self, topo, model_path: str | Path, *, group: RankGroup, publisher=None):
         par = self.parallelism = topo.parallelism
         self.dp_size, self.tp_size = par.dp, par.tp
         self.group = group
         device = rank_device(topo.trainer_device, group.rank)
         self.mesh = make_mesh(par.dp, par.tp, device.type)
         self._weights: dict[str, torch.Tensor] | None = None  # rank 0: the gathered weights of this version
-        super().__init__(topo, model_path, publish=publish, dp=group, device=device)
+        super().__init__(topo, model_path, publisher=publisher, dp=group, device=device)
         self._step_one_by_one()
 
     def _prepare_model(self, model):
@@ -307,12 +305,12 @@ class ParallelTrainEngine(TorchTrainEngine):
         self._step_one_by_one()
 
 
-def start(topo, topology_path: str | Path, model_path: str | Path, publish=None) -> ParallelTrainEngine:
+def start(topo, topology_path: str | Path, model_path: str | Path, publisher=None) -> ParallelTrainEngine:
     """Rank 0 (the trainer node): check the layout against the model, start ranks 1..N-1, and build
     this rank's engine."""
     check_tp(ModelConfig.from_hf(model_path), topo.parallelism.tp, f"model.path {model_path}")
     group = RankGroup.launch(topo.train_workers, str(topology_path), str(model_path), backend_for(topo.trainer_device))
-    return ParallelTrainEngine(topo, model_path, group=group, publish=publish)
+    return ParallelTrainEngine(topo, model_path, group=group, publisher=publisher)
 
 
 def main(argv=None) -> int:

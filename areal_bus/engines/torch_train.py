@@ -10,7 +10,9 @@ One ``train(batch, version)`` is one policy update (one version):
 Checkpoints are ordinary Hugging Face folders (config.json + model.safetensors + the tokenizer files
 copied from the start checkpoint), plus ``trainer_state.json`` (version, consumed trajectory ids) and
 ``optimizer.pt`` (AdamW's state, torch's own format, written and read only by this trainer on this
-host: nothing that crossed a socket). ``resume`` restores all three, so the version sequence continues.
+host: nothing that crossed a socket). An engine built from a checkpoint folder, then ``load_optimizer``
+(what ``train_engine.build_train_engine(checkpoint=...)`` does), restores all three, so the version
+sequence continues.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ def pad_batch(batch: list[Trajectory], advantages: torch.Tensor) -> dict[str, to
 
 
 class TorchTrainEngine:
-    def __init__(self, topo, model_path: str | Path, *, publish=None, dp=None, device=None):
+    """Implements areal_bus.engines.train_engine.TrainEngine."""
+
+    def __init__(self, topo, model_path: str | Path, *, publisher=None, dp=None, device=None):
         cfg = topo.trainer_engine
         self.cfg = cfg
         self.topo = topo
@@ -70,8 +74,9 @@ class TorchTrainEngine:
                                      weight_decay=0.0)
         self.temperature = topo.rollout_engine.temperature
         self.mini_batch = topo.mini_batch_size
-        self.publish = publish  # callable(state_dict, version) -> (location, nbytes)
+        self.publisher = publisher  # train_engine.WeightPublisher: the buffers rollout workers read; None: no export
         self.dp = dp  # the other ranks (torch_dp.DataParallel) a parallel engine hands each batch to
+        self._evaluator = None  # HeldOutEvaluator, made at the first evaluation
 
     # -- what a parallel layout (torch_parallel.ParallelTrainEngine) replaces ------------------
     def _prepare_model(self, model):
@@ -163,9 +168,28 @@ class TorchTrainEngine:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def export_weights(self, version: int) -> tuple[str, int]:
-        if self.publish is None:
+        """(location, nbytes) of ``version`` in the rollout workers' buffers; WeightsBusy while none is free."""
+        if self.publisher is None:
             return "", 0
-        return self.publish(self.state_dict(), version)
+        return self.publisher.publish(self.state_dict(), version)
+
+    def release(self, version: int) -> None:
+        if self.publisher is not None:
+            self.publisher.release(version)
+
+    def evaluate(self, version: int) -> dict | None:
+        """The held-out games played greedily on the current weights; None without eval_interval."""
+        if self.cfg.eval_interval <= 0:
+            return None
+        if self._evaluator is None:
+            self._evaluator = HeldOutEvaluator(self.topo, self.model_path, self.state_dict)
+        return self._evaluator(version)
+
+    def close(self, in_flight: bool = False) -> None:
+        if self.dp is not None and not in_flight:
+            self.dp.close()  # tell the other ranks to stop (mid-update, killasgroup stops them)
+        if self.publisher is not None:
+            self.publisher.close()
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, folder: Path, version: int, consumed: list[str]) -> Path:
@@ -199,9 +223,23 @@ class TorchTrainEngine:
         self.opt.load_state_dict(state)
 
 
-def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    """The newest complete checkpoint under ``ckpt_dir`` (folders named step_<version>)."""
-    if not ckpt_dir.exists():
-        return None
-    done = [p for p in ckpt_dir.glob("step_*") if (p / "trainer_state.json").exists()]
-    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+class HeldOutEvaluator:
+    """Plays the held-out games greedily with the trainer's current weights (``weights()``), in a
+    rollout engine of its own on the trainer's device; it runs on the compute thread between updates."""
+
+    def __init__(self, topo, model_path: Path, weights):
+        from areal_bus.engines.torch_engine import TorchRolloutEngine
+        from areal_bus.tasks.runner import GuessDriver, load_tokenizer
+
+        self.episodes = topo.trainer_engine.eval_episodes
+        self.driver = GuessDriver(load_tokenizer(model_path), n=topo.agent.task_size, max_turns=topo.agent.max_turns)
+        self.engine = TorchRolloutEngine(model_path, max_batch=min(64, self.episodes),
+                                         max_len=topo.rollout_engine.max_len, device=topo.trainer_device,
+                                         dtype=topo.model.dtype, worker="eval", weight_loader=lambda _: weights())
+
+    def __call__(self, version: int) -> dict:
+        from areal_bus.tasks.runner import evaluate
+
+        self.engine.swap_weights(version, "trainer")
+        return evaluate(self.engine, self.driver, k=self.episodes)

@@ -1,0 +1,132 @@
+"""The trainer's engine: the one interface the trainer node drives, and the factory that builds it.
+
+The node never asks which engine it holds. ``build_train_engine`` picks, from the topology, the
+simulated engine (``sim``), the single-process torch engine, or the parallel torch engine (dp x tp
+ranks, this process rank 0), resumed from a checkpoint folder when one is given, and wires the torch
+engines to the weight buffers the rollout workers read (CUDA IPC on a GPU, shared memory on CPU).
+
+    engine = build_train_engine(topo, base, checkpoint=start.folder)
+    stats = engine.train(batch, version)              # one update: version -> version + 1
+    location, nbytes = engine.export_weights(version + 1)   # WeightsBusy: retry once readers let go
+    engine.release(committed_version)                 # every rollout worker has left it
+    engine.save_checkpoint(folder, version, consumed)
+    engine.close()
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+from areal_bus.messages import Trajectory
+
+
+class WeightsBusy(RuntimeError):
+    """``export_weights`` could not write: every weight buffer still holds a version some rollout
+    worker reads. Nothing was written; retry once a ``release`` has freed one (the trainer keeps
+    serving the hub meanwhile, which is where the releases come from)."""
+
+
+class TrainEngine(Protocol):
+    def train(self, batch: list[Trajectory], version: int) -> dict:
+        """One policy update on ``batch``, from the weights of ``version`` to those of ``version + 1``.
+        Returns stats (``loss``, ``reward``, ``tokens`` and whatever else the engine measures)."""
+
+    def export_weights(self, version: int) -> tuple[str, int]:
+        """Make the current weights readable as ``version``: (location for WeightsReady, bytes).
+        Raises WeightsBusy (nothing written) while no buffer is free."""
+
+    def release(self, version: int) -> None:
+        """No rollout worker reads ``version`` any more: its buffer may be written again."""
+
+    def save_checkpoint(self, folder: Path, version: int, consumed: list[str]) -> Path:
+        """A complete checkpoint of ``version`` in ``folder`` (written whole or not at all) holding what
+        resuming needs: the weights, the optimizer state and ``trainer_state.json``
+        (version, consumed ids)."""
+
+    def load_optimizer(self, folder: Path) -> None:
+        """Restore the optimizer state of the checkpoint in ``folder`` (the weights were loaded when the
+        engine was built from it). ``build_train_engine(checkpoint=...)`` calls it."""
+
+    def evaluate(self, version: int) -> dict | None:
+        """Held-out evaluation of the current weights (greedy games) as stats, or None when the run has
+        no evaluation (``trainer_engine.eval_interval`` 0, or an engine without one)."""
+
+    def close(self, in_flight: bool = False) -> None:
+        """End of the run: the weight buffers go (rollout workers copied what they serve), and the other
+        ranks of a parallel engine are told to stop. ``in_flight``: an update or save may still run on
+        another thread; the ranks are then left to be stopped with the process group (a stop command
+        now would interleave with that update's collectives)."""
+
+
+class WeightPublisher:
+    """Where a torch engine writes each version for the rollout workers: made on the first write, as the
+    weights' layout is known only then. On a GPU, CUDA IPC (device to device; the handles go to the
+    rollout workers once, as a file beside the ipc sockets, and each version is an in-place copy); on
+    CPU, shared memory."""
+
+    def __init__(self, topo, base=None):
+        self.topo = topo
+        self.base = base
+        self.writer = None
+
+    def publish(self, state_dict, version: int) -> tuple[str, int]:
+        from areal_bus.weights_shm import BufferBusy, ShmWeightWriter
+
+        if self.writer is None and self.topo.trainer_device.startswith("cuda"):
+            from areal_bus.weights_cuda import CudaWeightWriter, handles_path, save_handles
+
+            device = next(iter(state_dict.values())).device
+            self.writer = CudaWeightWriter(self.topo.shm_name(self.base), state_dict, device=device)
+            save_handles(handles_path(self.topo.ipc_dir(self.base), self.writer.name), self.writer.handles())
+        elif self.writer is None:
+            self.writer = ShmWeightWriter(self.topo.shm_name(self.base), state_dict)
+        try:
+            location = self.writer.write(state_dict, version)
+        except BufferBusy as exc:
+            raise WeightsBusy(str(exc)) from exc
+        return location, self.writer.nbytes
+
+    def release(self, version: int) -> None:
+        if self.writer is not None:
+            self.writer.mark_released(version)
+
+    def close(self) -> None:
+        # A crash leaves the buffers; the next writer of the same name replaces them. CUDA IPC memory
+        # goes with the process.
+        if self.writer is not None and hasattr(self.writer, "close"):
+            self.writer.close()
+
+
+def build_train_engine(topo, base=None, checkpoint: Path | None = None) -> TrainEngine:
+    """The engine ``topo.trainer_engine.kind`` names, started from ``checkpoint`` (weights and optimizer)
+    when given, else from ``model.path``."""
+    if topo.trainer_engine.kind == "sim":
+        from areal_bus.engines.sim import SimTrainEngine
+
+        return SimTrainEngine(topo.trainer_engine, topo.train_workers)
+    import torch
+
+    from areal_bus.engines.torch_train import TorchTrainEngine
+
+    path = Path(checkpoint) if checkpoint is not None else topo.model_path(base)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"model.path {path} holds no checkpoint (config.json); build the default with "
+                                f"`python scripts/warmstart.py --out {topo.model.path}` or point model.path at one")
+    torch.set_num_threads(topo.model.threads)
+    publisher = WeightPublisher(topo, base)
+    if topo.train_workers > 1:  # parallelism dp x tp ranks (FSDP2, DTensor); this process is rank 0
+        from areal_bus.engines import torch_parallel
+        from areal_bus.topology import dump_resolved
+
+        # The other ranks read the resolved topology dumped here (JSON is YAML).
+        resolved = topo.log_dir(base) / "resolved" / "trainer-dp.json"
+        resolved.parent.mkdir(parents=True, exist_ok=True)
+        resolved.write_text(json.dumps(dump_resolved(topo)))
+        engine = torch_parallel.start(topo, resolved, path, publisher=publisher)
+    else:
+        engine = TorchTrainEngine(topo, path, publisher=publisher)
+    if checkpoint is not None:
+        engine.load_optimizer(path)
+    return engine

@@ -1,0 +1,90 @@
+"""Trainer node: consumes trajectories, updates the policy whenever enough are ready, and hands each
+new version to the weight broadcaster.
+
+The pieces: ``core.TrainerCore`` (no sockets) decides (batch forming, stale drop, duplicate
+suppression, spool-before-ack, checkpoint-covers-then-prune) and ``core.TrainQueue`` holds the
+buffer; ``recovery`` plans where a process starts; ``wiring.TrainerIO`` does what the core says, with
+the update on a compute thread; the engine (sim, torch, parallel torch) is
+``areal_bus.engines.train_engine.build_train_engine``'s.
+
+Crash safety (``durability.spool``, on by default): a received trajectory is accepted only once
+committed to the spool (areal_bus/spool.py), and only then do producers forget it. Checkpoints carry
+the consumed ids and admission totals; rows leave the spool once a checkpoint on disk covers them. A
+trainer that supervisord restarts resumes from the run's newest checkpoint, re-queues every spooled
+row that checkpoint does not cover, keeps the run's epoch (so agents count on, not over) and
+announces a new weight lineage (rollout workers roll back with it). Every accepted, trained and
+dropped id goes to ``logs/ledger/trainer-0.jsonl`` (areal_bus/ledger.py), which bench/chaos.py audits.
+
+After max_steps updates (and the checkpoint due then) the trainer publishes the finished run state
+and exits 0; supervisord's run-end listener then stops the whole system.
+
+Run: areal-bus node trainer --topology topology/default.yaml
+"""
+
+from __future__ import annotations
+
+import time
+
+from areal_bus import messages as m
+from areal_bus.constants import HEARTBEAT_INTERVAL_S
+from areal_bus.engines.train_engine import build_train_engine
+from areal_bus.node import NodeShell
+from areal_bus.spool import Spool
+from nodes.trainer.core import TrainerCore, TrainQueue
+from nodes.trainer.recovery import Start, plan_start, resume_state, supervisor_instance, write_run_state
+from nodes.trainer.wiring import TrainerIO
+
+__all__ = ["run", "TrainerCore", "TrainQueue", "Start", "plan_start", "resume_state", "write_run_state"]
+
+
+def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
+    shell = NodeShell(topo, "trainer", replica, base=base, watch=("weights",),
+                      topics=(m.TOPIC_VERSION, m.TOPIC_VERSION_COMMITTED))
+    shell.install_signal_handlers()
+    dur = topo.durability
+    spool = Spool(shell.log_dir / "spool" / "spool.sqlite", dur.sync_every_ms, dur.batch_rows, dur.fsync) \
+        if dur.spool else None
+    start = plan_start(spool, shell.log_dir / "checkpoints", resume, shell.incarnation, supervisor_instance())
+    if start.finished:
+        return _finished_already(shell, start, spool)
+    engine = build_train_engine(topo, base, checkpoint=start.folder)
+    # Lineages sort by start time: a restarted trainer's weights are newer even at a lower version.
+    lineage = f"{time.time_ns():020d}-{shell.incarnation}"
+    core = TrainerCore(topo, start, spool, shell.incarnation, lineage, shell.metrics, now=time.monotonic())
+    shell.policy = core.policy
+    io = TrainerIO(shell, engine, core)
+    try:
+        shell.announce_start(engine=topo.trainer_engine.kind, mode="async" if topo.is_async else "sync",
+                             trigger=core.queue.trigger, batch=core.queue.max_batch, staleness=core.queue.staleness,
+                             max_steps=topo.max_steps, resumed_from=str(start.folder or "-"), version=core.version,
+                             spool="on" if spool is not None else "off", epoch=core.epoch)
+        shell.start_heartbeat()
+        io.apply(core.begin())
+        if core.version == 0 and (stats := engine.evaluate(0)):
+            io.apply(core.on_evaluated(0, stats))
+        while not shell.stopping.is_set() and not (core.done and io.idle):
+            io.apply(core.on_hub(io.hub()))
+            io.apply(core.receive(io.receive(core.room())))
+            io.apply(core.tick(time.monotonic()))
+            io.apply(io.finished_job())
+            if io.idle:
+                io.apply(core.next_job(time.monotonic()))
+            io.wait(core.due_in(time.monotonic()))
+        if core.done:
+            io.apply(core.finish())
+            io.apply(core.finished(time.monotonic()))
+    finally:
+        io.close()
+    return 0
+
+
+def _finished_already(shell: NodeShell, start: Start, spool: Spool) -> int:
+    """Killed between finishing and exiting: say so again (agents stop) and end as a finished run does."""
+    topo = shell.topo
+    shell.log.info("run_already_finished", epoch=start.epoch)
+    shell.publish(m.TOPIC_RUN, m.RunState(version=topo.max_steps, max_steps=topo.max_steps, finished=True,
+                                          consumed=0, incarnation=start.epoch))
+    time.sleep(HEARTBEAT_INTERVAL_S)  # the hub gets it before the socket goes
+    spool.close()
+    shell.close()
+    return 0

@@ -1,0 +1,377 @@
+"""The trainer's logic without sockets: what it accepts, when it trains, what it tells the others.
+
+``TrainQueue`` is the consumption side of the scheduler: it suppresses duplicates by trajectory id,
+bounds the buffer at queue_max_size, drops anything over the staleness bound, and forms batches
+oldest-first once trigger_batch_size samples are ready (exactly global_batch_size in synchronous mode).
+
+``TrainerCore`` holds the run's protocol state (version and lineage, the run epoch, the consumed ids,
+the trained total and the per-source totals that admission is computed from) and the spool. Each
+method takes what happened (trajectories received, hub messages, a spool commit due, a finished
+update or save) and returns an ``Out``: what to write to the ledger, what to publish, which weights to
+export, what to start on the compute thread. The node (``nodes/trainer/__init__.py``) does it.
+
+The order that makes the run crash-safe lives here: a trajectory is acknowledged ``accepted`` only
+once the spool has committed it (without a spool, never: producers keep it until it is trained); a
+ledger record goes out before the acknowledgement it explains; spool rows are pruned only once a
+checkpoint that covers them is on disk.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from areal_bus import messages as m
+from areal_bus.admission import is_over_stale, staleness_of
+from areal_bus.constants import HEARTBEAT_INTERVAL_S, SEEN_IDS_MAX
+from areal_bus.metrics import Metrics
+from areal_bus.spool import Spool
+from areal_bus.version import PolicyVersion
+from nodes.trainer.recovery import Start
+
+
+class TrainQueue:
+    def __init__(self, capacity: int, trigger: int, max_batch: int, staleness: int, exact: bool):
+        self.capacity = capacity
+        self.trigger = trigger
+        self.max_batch = max_batch
+        self.staleness = staleness
+        self.exact = exact  # synchronous mode: a batch is exactly max_batch samples
+        self.buffer: dict[str, m.Trajectory] = {}
+        self.seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.duplicates = 0
+        self.stale = 0
+
+    @property
+    def full(self) -> bool:
+        return len(self.buffer) >= self.capacity
+
+    def offer(self, traj: m.Trajectory) -> bool:
+        """Take a trajectory; False if its id was already taken (a duplicate, counted and ignored)."""
+        if traj.traj_id in self.seen:
+            self.duplicates += 1
+            return False
+        self.remember(traj.traj_id)
+        self.buffer[traj.traj_id] = traj
+        return True
+
+    def remember(self, traj_id: str) -> None:
+        """Count ``traj_id`` as taken (a resumed run's consumed ids), so a resend of it is a duplicate."""
+        self.seen[traj_id] = None
+        if len(self.seen) > SEEN_IDS_MAX:
+            self.seen.popitem(last=False)
+
+    def seen_before(self, traj_id: str) -> bool:
+        """True, and a duplicate counted, if this id was taken already."""
+        if traj_id in self.seen:
+            self.duplicates += 1
+            return True
+        return False
+
+    def drop_stale(self, version: int) -> list[m.Trajectory]:
+        out = [t for t in self.buffer.values() if is_over_stale(version, t.start_version, self.staleness)]
+        for t in out:
+            del self.buffer[t.traj_id]
+        self.stale += len(out)
+        return out
+
+    def take_batch(self, version: int) -> list[m.Trajectory] | None:
+        """A batch if one is ready: oldest policy versions first (they are closest to the bound),
+        then admission order."""
+        need = self.max_batch if self.exact else self.trigger
+        if len(self.buffer) < need:
+            return None
+        ordered = sorted(self.buffer.values(), key=lambda t: (t.start_version, t.ticket))
+        batch = ordered[: self.max_batch]
+        for t in batch:
+            del self.buffer[t.traj_id]
+        return batch
+
+
+@dataclass
+class Job:
+    """Work for the compute thread: one update (``train``) or one checkpoint save (``save``)."""
+
+    kind: str  # "train" or "save"
+    version: int  # train: the weights it updates; save: the version it saves
+    started: float  # monotonic time it was handed out
+    batch: list = field(default_factory=list)  # train: the trajectories
+    evaluate: bool = False  # train: evaluate the new weights after the update
+    wait_s: float = 0.0  # train: how long the trainer sat idle before it
+    staleness: dict = field(default_factory=dict)  # train: {staleness: samples} of the batch
+    state: dict = field(default_factory=dict)  # save: the run state the checkpoint gets (write_run_state)
+    covers: list = field(default_factory=list)  # save: spool rows it covers, pruned once it is on disk
+
+
+@dataclass
+class Out:
+    """What to do, in this order: ledger records, the weights to export (then ``on_exported``), hub
+    messages, the WeightsReady to (re)send, buffers to release, log lines, train_steps.jsonl lines (the
+    node adds the wall-clock ``t_end``), and the job to start on the compute thread."""
+
+    ledger: list[tuple[str, dict]] = field(default_factory=list)  # (event, fields)
+    export: int | None = None
+    publish: list[tuple[bytes, object]] = field(default_factory=list)  # (topic, message)
+    ready: m.WeightsReady | None = None
+    release: list[int] = field(default_factory=list)
+    logs: list[tuple[str, str, dict]] = field(default_factory=list)  # (level, event, fields)
+    steps: list[dict] = field(default_factory=list)
+    job: Job | None = None
+
+    def add(self, other: Out) -> Out:
+        self.ledger += other.ledger
+        self.export = other.export if other.export is not None else self.export
+        self.publish += other.publish
+        self.ready = other.ready or self.ready
+        self.release += other.release
+        self.logs += other.logs
+        self.steps += other.steps
+        self.job = other.job or self.job
+        return self
+
+
+class TrainerCore:
+    def __init__(self, topo, start: Start, spool: Spool | None, incarnation: str, lineage: str,
+                 metrics: Metrics | None = None, now: float = 0.0):
+        self.topo = topo
+        self.start = start
+        self.spool = spool
+        self.incarnation = incarnation  # this process
+        self.epoch = start.epoch  # the run: kept across crash recoveries, so agents count on
+        self.metrics = metrics or Metrics()
+        self.queue = TrainQueue(topo.queue_max_size, topo.effective_trigger, topo.global_batch_size,
+                                topo.effective_staleness, exact=not topo.is_async)
+        # Weights of this process's lineage: a restart rolls the policy back to its checkpoint, and
+        # rollout workers must follow even though the version number goes down.
+        self.policy = PolicyVersion(lineage, start.version)
+        self.consumed = collections.OrderedDict.fromkeys(start.consumed)  # this lineage's trained and stale ids
+        for tid in start.consumed:
+            self.queue.remember(tid)
+        self.trained = start.trained  # samples trained on in this run: RunState.consumed, agents size batches by it
+        # Per episode source, [consumed, stale] in this run epoch: the admission totals of RunState.
+        self.totals: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+        self.totals.update({k: list(v) for k, v in start.sources.items()})
+        self.unpruned: list[str] = []  # consumed since the last checkpoint was started: its rows may go after it
+        self.committed = -1  # newest version of this lineage every rollout worker serves
+        self.ready: m.WeightsReady | None = None  # the newest export, kept for a broadcaster that restarts
+        self.idle_since = now
+        self.last_state = float("-inf")
+        self.window = {"t": now, "samples": 0, "tokens": 0}
+
+    @property
+    def version(self) -> int:
+        return self.policy.version
+
+    @property
+    def done(self) -> bool:
+        return self.version >= self.topo.max_steps
+
+    def room(self) -> int:
+        """How many more trajectories to take in now (staged spool rows count: they are on their way)."""
+        return self.queue.capacity - len(self.queue.buffer) - (self.spool.staged if self.spool is not None else 0)
+
+    # -- start ----------------------------------------------------------------------------------
+    def begin(self) -> Out:
+        """The start record, and after a crash the spool's rows the checkpoint does not cover, queued
+        again; then the start weights are exported (a resumed run serves its checkpoint, a fresh one
+        its start weights; either way every rollout worker switches to this lineage)."""
+        out = Out(ledger=[("start", {"inc": self.incarnation, "epoch": self.epoch, "resumed_step": self.version,
+                                     "ckpt_inc": self.start.ckpt_inc, "spool": self.spool is not None})],
+                  export=self.version)
+        if self.spool is None or not self.start.recovering:
+            return out
+        covered = set(self.consumed)
+        self.spool.prune([tid for tid in self.spool.ids() if tid in covered])
+        backlog, bad = self.spool.load(skip=covered)
+        if bad:
+            self.metrics.inc("spool_bad_rows", len(bad))
+            out.logs.append(("error", "spool_bad_rows", {"count": len(bad), "ids": ",".join(bad[:5])}))
+        for traj in backlog:
+            self.queue.offer(traj)
+        # Accepted again by this incarnation: the ledger line of the one that died may not have been written.
+        out.ledger.append(("accepted", {"inc": self.incarnation, "ids": [t.traj_id for t in backlog]}))
+        out.logs.append(("warning", "recovered", {"epoch": self.epoch, "version": self.version,
+                                                  "checkpoint": str(self.start.folder or "-"),
+                                                  "requeued": len(backlog), "spooled": len(self.spool)}))
+        return out
+
+    def on_evaluated(self, version: int, stats: dict) -> Out:
+        """The evaluation of the start weights (version 0), before any update."""
+        return Out(logs=[("info", "eval", {"step": version, **{k: round(v, 4) for k, v in stats.items()}})],
+                   steps=[{"step": version - 1, "train_s": 0.0, "wait_s": 0.0, "samples": 0,
+                           "tokens": 0, "staleness": {}, **stats}])
+
+    # -- input ----------------------------------------------------------------------------------
+    def receive(self, trajs: list[m.Trajectory]) -> Out:
+        """Trajectories off the train channel. A seen id is acknowledged as a duplicate (it is durable,
+        or trained, already); with a spool a new one is staged (accepted once committed: ``tick``),
+        without one it is accepted at once."""
+        out, fresh = Out(), []
+        for traj in trajs:
+            if self.queue.seen_before(traj.traj_id):
+                self.metrics.inc("duplicates")
+                out.publish.append(self._ack(duplicate=[traj.traj_id]))
+            elif self.spool is None:
+                fresh.append(traj)
+            elif not self.spool.is_staged(traj.traj_id):  # a staged one's acceptance is on its way
+                self.spool.stage(traj)
+        return out.add(self._accept(fresh))
+
+    def on_hub(self, msgs) -> Out:
+        """Hub messages: a committed version frees the buffers of older ones; a restarted broadcaster
+        knows no version until it is told again."""
+        out = Out()
+        for msg in msgs:
+            if isinstance(msg, m.VersionCommitted) and msg.lineage == self.policy.lineage \
+                    and msg.version > self.committed:
+                self.committed = msg.version
+                out.release += range(max(0, msg.version - 2), msg.version)
+            elif isinstance(msg, m.Event) and msg.name == "peer_restarted" and self.ready is not None:
+                out.ready = self.ready
+        return out
+
+    def tick(self, now: float) -> Out:
+        """Time passing: commit the spool when due, repeat the run state every heartbeat interval (a lost
+        report heals; the bus caches the latest for late joiners)."""
+        out = Out()
+        if self.spool is not None and self.spool.due_in(now) == 0:
+            out.add(self._accept(self.spool.commit()))
+        self.metrics.gauge("queue.buffered", len(self.queue.buffer))
+        if now - self.last_state >= HEARTBEAT_INTERVAL_S:
+            out.publish.append(self.run_state(now))
+        return out
+
+    def due_in(self, now: float) -> float | None:
+        """Seconds until ``tick`` must commit the spool; None when nothing waits."""
+        return self.spool.due_in(now) if self.spool is not None else None
+
+    # -- training -------------------------------------------------------------------------------
+    def next_job(self, now: float) -> Out:
+        """With the compute thread idle: drop what is over the staleness bound, then hand out the next
+        update if a batch is ready."""
+        out = Out()
+        if self.done:
+            return out
+        stale = self.queue.drop_stale(self.version)
+        if stale:
+            ids = [t.traj_id for t in stale]
+            self.metrics.inc("stale_dropped", len(stale))
+            self._consume(stale, 1)
+            out.ledger.append(("stale", {"inc": self.incarnation, "version": self.version, "ids": ids}))
+            out.publish += [self._ack(stale=ids), self.run_state(now)]
+            out.logs.append(("warning", "stale_dropped", {"count": len(stale), "version": self.version}))
+        batch = self.queue.take_batch(self.version)
+        if batch is None:
+            return out
+        hist = collections.Counter(staleness_of(self.version, t.start_version) for t in batch)
+        for s, c in hist.items():
+            self.metrics.observe("staleness", s, c)
+        wait = now - self.idle_since
+        self.metrics.inc("idle_seconds", wait)
+        every = self.topo.trainer_engine.eval_interval
+        out.job = Job("train", self.version, now, batch=batch, evaluate=every > 0 and (self.version + 1) % every == 0,
+                      wait_s=wait, staleness={str(k): c for k, c in sorted(hist.items())})
+        return out
+
+    def on_trained(self, job: Job, stats: dict, now: float) -> Out:
+        """An update finished: the new version is exported, its samples recorded and acknowledged as
+        consumed, a checkpoint started when one is due."""
+        took = now - job.started
+        self.policy = PolicyVersion(self.policy.lineage, job.version + 1)
+        step, ids = job.version, [t.traj_id for t in job.batch]
+        tokens = sum(t.num_tokens for t in job.batch)
+        self._consume(job.batch, 0)
+        self.trained += len(job.batch)
+        for name, by in (("samples", len(job.batch)), ("tokens", tokens), ("busy_seconds", took), ("steps", 1)):
+            self.metrics.inc(name, by)
+        out = Out(ledger=[("step", {"inc": self.incarnation, "step": step, "ids": ids})],  # before producers forget
+                  export=self.version, publish=[self._ack(consumed=ids)])
+        line = {"step": step, "updated": len(job.batch), "loss": round(stats.get("loss", 0.0), 4),
+                "reward": round(stats.get("reward", 0.0), 4), "train_s": round(took, 3)}
+        if "eval_reward" in stats:
+            line["eval_reward"] = round(stats["eval_reward"], 4)
+        out.logs.append(("info", "step", line))
+        out.steps.append({"step": step, "train_s": took, "wait_s": job.wait_s,
+                          "samples": len(job.batch), "tokens": tokens, "stale_dropped": self.queue.stale,
+                          "duplicates": self.queue.duplicates, **stats, "staleness": job.staleness})
+        self.window["samples"] += len(job.batch)
+        self.window["tokens"] += tokens
+        if self.version % self.topo.logging.log_interval == 0:
+            dt = max(now - self.window["t"], 1e-9)
+            out.logs.append(("info", "throughput", {
+                "samples_per_second": round(self.window["samples"] / dt, 2),
+                "tokens_per_second": round(self.window["tokens"] / dt, 1), "step": step,
+                "stale_dropped": self.queue.stale, "duplicates": self.queue.duplicates}))
+            self.window.update(t=now, samples=0, tokens=0)
+        every = self.topo.logging.save_interval
+        if every and self.version % every == 0:
+            # Saved after the step is recorded and acknowledged, on the compute thread (the next update
+            # waits for it, as it would inside the step).
+            state = {"version": self.version, "epoch": self.epoch, "inc": self.incarnation,
+                     "consumed": list(self.consumed), "sources": {k: list(v) for k, v in self.totals.items()},
+                     "trained": self.trained}
+            out.job = Job("save", self.version, now, state=state, covers=list(self.unpruned))
+            self.unpruned.clear()
+        out.publish.append(self.run_state(now))
+        self.idle_since = now
+        return out
+
+    def on_saved(self, job: Job, now: float) -> Out:
+        """A checkpoint is on disk (with its run state): the spool rows it covers may go."""
+        out = Out(ledger=[("checkpoint", {"inc": self.incarnation, "version": job.version})])
+        if self.spool is not None:
+            self.spool.prune(job.covers)
+            out.add(self._accept(self.spool.commit()))
+        out.publish.append(self.run_state(now))
+        return out
+
+    def on_exported(self, version: int, location: str, nbytes: int) -> Out:
+        self.ready = m.WeightsReady(version=version, location=location, nbytes=nbytes, lineage=self.policy.lineage)
+        return Out(ready=self.ready)
+
+    # -- the end --------------------------------------------------------------------------------
+    def finish(self) -> Out:
+        """The ledger's final word. Then ``finished``: the spool's mark, then the state that stops the
+        agents, in that order (a trainer killed in between finishes again)."""
+        return Out(ledger=[("finished", {"inc": self.incarnation, "version": self.version,
+                                         "unconsumed": list(self.queue.buffer)})])
+
+    def finished(self, now: float) -> Out:
+        if self.spool is not None:
+            self.spool.set_meta(finished=1)
+        return Out(publish=[self.run_state(now, finished=True)],
+                   logs=[("info", "run_finished", {"steps": self.version, "samples": self.trained,
+                                                   "stale_dropped": self.queue.stale,
+                                                   "duplicates": self.queue.duplicates})])
+
+    # -- helpers --------------------------------------------------------------------------------
+    def run_state(self, now: float, finished: bool = False) -> tuple[bytes, m.RunState]:
+        self.last_state = now
+        return m.TOPIC_RUN, m.RunState(version=self.version, max_steps=self.topo.max_steps, finished=finished,
+                                       consumed=self.trained, incarnation=self.epoch, sources=dict(self.totals),
+                                       lineage=self.policy.lineage)
+
+    def _ack(self, **ids) -> tuple[bytes, m.TrajAck]:
+        return m.TOPIC_TRAJ_ACK, m.TrajAck(trainer_version=self.version, **{
+            "consumed": [], "stale": [], "duplicate": [], **ids})
+
+    def _accept(self, trajs: list[m.Trajectory]) -> Out:
+        """Durable now (or the spool is off): record and queue them; with a spool, producers may now
+        forget them (without one they keep a trajectory until it is trained)."""
+        if not trajs:
+            return Out()
+        ids = [t.traj_id for t in trajs]
+        for t in trajs:
+            self.queue.offer(t)
+        out = Out(ledger=[("accepted", {"inc": self.incarnation, "ids": ids})])
+        if self.spool is not None:
+            out.publish.append(self._ack(accepted=ids))
+        return out
+
+    def _consume(self, trajs: list[m.Trajectory], which: int) -> None:
+        """Trained on (``which`` 0) or dropped as stale (1): in this lineage's consumed ids, the
+        per-source totals, and the ids the next checkpoint lets the spool forget."""
+        for t in trajs:
+            self.consumed[t.traj_id] = None
+            self.unpruned.append(t.traj_id)
+            self.totals[t.source][which] += 1

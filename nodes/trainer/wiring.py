@@ -1,0 +1,158 @@
+"""The trainer core's hands: its sockets, its files and its compute thread.
+
+``TrainerIO.apply(out)`` does what a ``TrainerCore`` method returned (ledger, weight export, hub
+messages, log lines, the next job). The update runs on one compute thread, so the main thread keeps
+receiving, acknowledging and heartbeating meanwhile: socket I/O never waits on training, and training
+never waits on sockets.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import zmq
+
+from areal_bus import messages as m
+from areal_bus.channels import Receiver, open_socket
+from areal_bus.constants import POLL_MS
+from areal_bus.engines.train_engine import TrainEngine, WeightsBusy
+from areal_bus.ledger import Ledger, ledger_path
+from areal_bus.node import NodeShell
+from nodes.trainer.core import Job, Out, TrainerCore
+from nodes.trainer.recovery import write_run_state
+
+READERS_WARN_S = 10.0
+"""Waiting this long for rollout workers to leave a weight buffer is logged (and again each period)."""
+
+
+class TrainerIO:
+    def __init__(self, shell: NodeShell, engine: TrainEngine, core: TrainerCore):
+        self.shell, self.engine, self.core = shell, engine, core
+        topo = shell.topo
+        pull = open_socket(shell.ctx, zmq.PULL, shell.endpoint("train"), bind=True, hwm=topo.queue_max_size)
+        self.to_weights = open_socket(shell.ctx, zmq.PUSH, shell.endpoint("weights"), bind=False, hwm=16)
+        self.inbox = Receiver(pull, shell.metrics, shell.log)
+        self.poller = zmq.Poller()
+        self.poller.register(shell.sub, zmq.POLLIN)
+        self.poller.register(pull, zmq.POLLIN)
+        self.ledger = Ledger(ledger_path(shell.log_dir, shell.node_id))
+        self.steps = open(shell.log_dir / "train_steps.jsonl", "a", buffering=1)
+        self.ckpt_dir = shell.log_dir / "checkpoints"
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compute")
+        self.job: tuple[concurrent.futures.Future, Job] | None = None
+        self.unsent: m.WeightsReady | None = None  # the broadcaster's pipe was full: sent again next turn
+
+    # -- doing what the core says ---------------------------------------------------------------
+    def apply(self, out: Out) -> None:
+        self.shell.policy = self.core.policy
+        for ev, fields in out.ledger:
+            self.ledger.write(ev, **fields)
+        if out.export is not None:
+            self.export(out.export)
+        for topic, msg in out.publish:
+            self.shell.publish(topic, msg)
+        if out.ready is not None:
+            self.send_ready(out.ready)
+        for version in out.release:
+            self.engine.release(version)
+        for level, name, fields in out.logs:
+            getattr(self.shell.log, level)(name, **fields)
+        for line in out.steps:
+            self.steps.write(json.dumps({"t_end": time.time(), **line}) + "\n")
+        if out.job is not None:
+            self.job = self.pool.submit(self._work, out.job), out.job
+
+    def export(self, version: int) -> None:
+        """Hand ``version`` to the broadcaster. A weight buffer is reused only once every rollout worker
+        has left the version in it: wait, the hub still served (its VersionCommitted frees one)."""
+        since = time.monotonic()
+        while True:
+            try:
+                location, nbytes = self.engine.export_weights(version)
+                break
+            except WeightsBusy:
+                if self.shell.stopping.is_set():
+                    raise
+                if time.monotonic() - since > READERS_WARN_S:
+                    self.shell.log.warning("waiting_for_readers", version=version, committed=self.core.committed)
+                    since = time.monotonic()
+                self.poller.poll(5)
+                self.apply(self.core.on_hub(self.hub()))
+        self.apply(self.core.on_exported(version, location, nbytes))
+
+    def send_ready(self, ready: m.WeightsReady) -> None:
+        try:  # never blocks: a broadcaster that is down gets it when it is back (or resent on restart)
+            self.to_weights.send_multipart(self.shell.encoder.encode(ready), flags=zmq.NOBLOCK, copy=False)
+            self.unsent = None
+        except zmq.Again:
+            self.unsent = ready
+
+    # -- what happened --------------------------------------------------------------------------
+    def hub(self) -> list:
+        if self.unsent is not None:
+            self.send_ready(self.unsent)
+        return [msg for _, msg in self.shell.drain_hub()]
+
+    def receive(self, room: int) -> list[m.Trajectory]:
+        got = []
+        while len(got) < room:
+            item = self.inbox.recv()
+            if item is None:
+                break
+            if isinstance(item[1], m.Trajectory):
+                got.append(item[1])
+            else:
+                self.inbox.drop("wrong_type", type(item[1]).__name__)
+        return got
+
+    @property
+    def idle(self) -> bool:
+        return self.job is None
+
+    def finished_job(self) -> Out:
+        """The core's answer to the job that finished, if one did. A failed update or save propagates:
+        the node crashes loudly."""
+        if self.job is None or not self.job[0].done():
+            return Out()
+        future, job = self.job
+        self.job = None
+        if job.kind == "save":
+            future.result()
+            return self.core.on_saved(job, time.monotonic())
+        return self.core.on_trained(job, future.result(), time.monotonic())
+
+    def _work(self, job: Job) -> dict:
+        """On the compute thread: the update (and the evaluation due after it), or a checkpoint."""
+        if job.kind == "save":
+            folder = self.ckpt_dir / f"step_{job.version}"
+            self.engine.save_checkpoint(folder, job.version, job.state["consumed"])
+            write_run_state(folder, job.state)
+            return {}
+        stats = self.engine.train(job.batch, job.version)
+        if job.evaluate:
+            stats.update(self.engine.evaluate(job.version + 1) or {})
+        return stats
+
+    def wait(self, due: float | None) -> None:
+        """Until a message arrives, the spool is due, or (while a job runs) a short while."""
+        self.shell.metrics.gauge("busy", 0.0 if self.idle else 1.0)
+        poll_ms = POLL_MS if self.idle else 5
+        self.poller.poll(poll_ms if due is None else min(poll_ms, max(1, int(due * 1000))))
+
+    def close(self) -> None:
+        in_flight = self.job is not None and not self.job[0].done()
+        if self.job is not None:
+            self.job[0].cancel()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.engine.close(in_flight=in_flight)
+        spool = self.core.spool
+        if spool is not None:
+            if spool.commits:
+                self.shell.log.info("spool", commits=spool.commits, busy_ms=round(spool.busy_seconds * 1000, 1),
+                                    rows=len(spool))
+            spool.close()
+        self.ledger.close()
+        self.steps.close()
+        self.shell.close()
