@@ -29,9 +29,18 @@ self-fulfilling: a shallow pipeline only ever fills small batches).
 The rule bounds staleness exactly only if samples finish in admission order; with long-tailed output
 lengths a long sample can be overtaken by later short ones and reach the trainer later than its slot.
 That is what the consumption check is for.
+
+Versions: the trainer's progress is ordered by ``PolicyVersion`` (lineage, version), as everywhere.
+A restarted trainer resumes from its checkpoint as a new lineage whose version numbers may be lower
+than the last ones reported; ``observe`` takes its reports as newer and measures the batch from its
+own start (numbers of two lineages do not subtract). The rule itself and the staleness of a sample
+take plain version numbers: there a version is a count of updates (the number a checkpoint resumes
+at is the updates it holds), and a sample's versions are the int32 numbers its tokens carry.
 """
 
 from __future__ import annotations
+
+from areal_bus.version import PolicyVersion
 
 
 def capacity(version: int, staleness: int, batch: int, admitted: int) -> int:
@@ -69,7 +78,7 @@ class Admission:
         self.admitted = 0  # accepted + running, as in the rule
         self.returned = 0
         self.consumed = 0  # this source's episodes the trainer has trained on
-        self.history: list[tuple[int, int]] = []  # (version, consumed) as the trainer reported them
+        self.history: list[tuple[PolicyVersion, int]] = []  # (version, consumed) as one trainer lineage reported them
         self._epoch: str | None = None  # the trainer incarnation whose totals we follow
         self._base = (0, 0)  # (consumed, returned) when that incarnation started counting
 
@@ -78,11 +87,17 @@ class Admission:
         n = int(n)
         return n // self.sources + (1 if self.source_index < n % self.sources else 0)
 
-    def observe(self, version: int, consumed: int) -> None:
-        """The trainer's progress: ``consumed`` samples trained on by the time it reached ``version``."""
-        if self.history and version <= self.history[-1][0]:
-            return
-        self.history = [*self.history, (version, consumed)][-(BATCH_WINDOW + 1):]
+    def observe(self, policy: PolicyVersion, consumed: int) -> None:
+        """The trainer's progress: ``consumed`` samples trained on by the time it reached ``policy``.
+        A report older than the last is ignored (a late or replayed one); a newer lineage (a restarted
+        trainer) starts the measurement over."""
+        if self.history:
+            last = self.history[-1][0]
+            if policy <= last:
+                return
+            if policy.lineage != last.lineage:
+                self.history = []
+        self.history = [*self.history, (policy, consumed)][-(BATCH_WINDOW + 1):]
 
     @property
     def batch(self) -> int:
@@ -90,9 +105,11 @@ class Admission:
         if len(self.history) < 2:
             return self.max_batch
         (v0, c0), (v1, c1) = self.history[0], self.history[-1]
-        return int(min(self.max_batch, max(self.min_batch, round((c1 - c0) / (v1 - v0)))))
+        return int(min(self.max_batch, max(self.min_batch, round((c1 - c0) / (v1.version - v0.version)))))
 
     def capacity(self, version: int) -> int:
+        """Episodes that may start now, the trainer having made ``version`` updates (a count: see the
+        module docstring for why a plain number is right here)."""
         by_version = capacity(version, self.staleness, self._share(self.max_batch), self.admitted)
         if not self.history:
             return by_version
@@ -108,7 +125,7 @@ class Admission:
     def follow(self, state, source: str) -> None:
         """Take in a RunState: the trainer's progress and this source's totals (a malformed entry
         is ignored; the next report, half a second later, carries the same totals)."""
-        self.observe(state.version, state.consumed)
+        self.observe(PolicyVersion.of(state), state.consumed)
         entry = state.sources.get(source) if isinstance(state.sources, dict) else None
         if isinstance(entry, list | tuple) and len(entry) == 2 and all(type(x) is int and x >= 0 for x in entry):
             self.sync(state.incarnation, entry[0], entry[1])

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_bus.admission import Admission, capacity, is_over_stale, staleness_of
+from areal_bus.version import PolicyVersion
 
 
 @pytest.mark.parametrize("version, staleness, batch, admitted, expected", [
@@ -61,7 +62,7 @@ def test_fifo_consumption_never_sees_an_over_stale_admission(staleness, batch, l
             reports.append((version + 1, reports[-1][1] + batch))
         else:
             known_version, known_consumed = reports[max(0, len(reports) - 1 - lag)]
-            adm.observe(known_version, known_consumed)
+            adm.observe(PolicyVersion("t1", known_version), known_consumed)
             adm.consume(known_consumed - adm.consumed)  # the acks of our samples, as late as the report
             n = min(op, adm.capacity(known_version))
             adm.admit(n)
@@ -74,7 +75,7 @@ def test_fifo_consumption_never_sees_an_over_stale_admission(staleness, batch, l
 def test_sync_mode_admits_exactly_one_batch_per_version(batch, versions):
     adm = Admission(staleness=0, batch=batch)
     for version in range(versions):
-        adm.observe(version, consumed=version * batch)
+        adm.observe(PolicyVersion("t1", version), consumed=version * batch)
         adm.consume(version * batch - adm.consumed)  # the acks of the batch trained into this version
         assert adm.capacity(version) == batch
         adm.admit(batch)
@@ -126,16 +127,30 @@ def test_a_busy_source_is_not_starved_by_an_idle_co_source():
         taken = min(in_flight, 64)  # the trainer takes what there is, up to global
         consumed += taken
         adm.consume(taken)
-        adm.observe(version, consumed)
+        adm.observe(PolicyVersion("t1", version), consumed)
     assert adm.capacity(40) > 0
     assert consumed >= 39 * 60  # full batches: not held to its share of the versions (32 each)
 
 
-def _state(version, consumed, sources, incarnation="t1"):
+def _state(version, consumed, sources, incarnation="t1", lineage=""):
     from areal_bus.messages import RunState
 
     return RunState(version=version, max_steps=100, finished=False, consumed=consumed, incarnation=incarnation,
-                    sources=sources)
+                    sources=sources, lineage=lineage)
+
+
+def test_a_restarted_trainers_lower_versions_are_followed_and_its_batch_measured_from_its_own_start():
+    # Lineage a made 8 samples an update; b resumes from a checkpoint at version 3 and takes 2 an
+    # update. Compared as bare numbers, b's reports (3, 4 <= 5) would be ignored and the batch stay 8.
+    adm = Admission(staleness=1, batch=2, max_batch=8)
+    adm.follow(_state(4, 32, {}, lineage="001-a"), "s")
+    adm.follow(_state(5, 40, {}, lineage="001-a"), "s")
+    assert adm.batch == 8
+    adm.follow(_state(3, 24, {}, lineage="002-b"), "s")
+    adm.follow(_state(4, 26, {}, lineage="002-b"), "s")
+    assert adm.batch == 2
+    adm.follow(_state(6, 48, {}, lineage="001-a"), "s")  # the old trainer's last report, arriving late
+    assert adm.batch == 2
 
 
 def test_run_state_totals_return_slots_and_a_lost_or_repeated_report_changes_nothing():
