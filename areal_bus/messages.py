@@ -2,16 +2,40 @@
 
 A message is a plain dataclass. Scalar fields travel in a msgpack header; fields named in ``ARRAYS``
 are numpy arrays that travel as raw buffers in extra zero-copy frames (see ``codec``). The envelope
-around every message carries the wire version, the type tag, the producer id, a per-producer sequence
-number, a unique message id and the policy version(s) the payload was made under.
+around every message carries only the wire version, the type tag and the producer id; the policy
+version a payload was made under is in the message itself (``Completion.versions``, one per token).
 
-Channels (names as in the topology's ``endpoints``):
-  work     PUSH/PULL  agent -> rollout           generation requests
-  replies  PUSH/PULL  rollout -> agent           completions, back to the agent that asked
-  samples  PUSH/PULL  agent -> reward            finished episodes as trajectories
-  train    PUSH/PULL  reward -> trainer          rewarded trajectories
-  weights  PUSH/PULL  trainer -> weights         a new policy version is ready
-  hub      PUB -> bus -> SUB (topic in frame 0)  heartbeats, versions, acks, events
+The life of one trajectory (channels as in the topology's ``endpoints``; "hub" is PUB -> bus -> SUB):
+
+  1. agent    -> rollout  GenerateRequest    on ``work``     the episode's next turn (one per turn)
+  2. rollout  -> agent    Completion         on ``replies``  tokens, logprobs and the version of each
+  3. agent    -> reward   Trajectory         on ``samples``  the finished episode (straight on ``train``
+                                                             when the topology has no reward node)
+  4. reward   -> trainer  Trajectory         on ``train``    the same, with ``reward`` set
+  5. trainer  -> agent, reward, gateway  TrajAck  on hub (``ack``)  ids taken for good: forget them
+     trainer  -> all      RunState           on hub (``run``)  totals per source: admission reopens
+  6. trainer  -> weights  WeightsReady       on ``weights``  update ``version`` is done, at ``location``
+  7. weights  -> all      VersionAnnounce    on hub (``ver``)  rollout swaps at its next safe point
+  8. rollout  -> weights  VersionAck         on hub (``vack``) this worker serves it now
+  9. weights  -> trainer  VersionCommitted   on hub (``vcom``) every live worker does: old buffers free
+
+The gateway's path replaces steps 1-3: each rollout worker connects a DEALER (named by its node id)
+to every gateway's ROUTER on ``gwork``; the gateway sends GenerateRequest there, the worker answers on
+the same connection with PartialCompletions while it generates (streamed requests only) and one
+Completion, and the gateway sends the session's Trajectory on ``samples`` (or ``train``) as an agent
+does. Every node sends Heartbeat (``hb``) and Event (``evt``) on the hub.
+
+Channels (names as in areal_bus/topology.py CHANNEL_OWNERS; the owner binds, the others connect):
+  hub_in   XSUB       all -> bus                 every hub message, topic in frame 0 (bus binds)
+  hub_out  XPUB       bus -> all                 the same, filtered by topic at each SUB; ``ver`` and
+                                                 ``run`` replayed to every new subscriber (bus binds)
+  work     PUSH/PULL  agent -> rollout           generation requests (agent binds, one per replica)
+  replies  PUSH/PULL  rollout -> agent           completions, to the agent that asked (agent binds)
+  gwork    ROUTER/DEALER  gateway <-> rollout    requests out, partials and completions back
+                                                 (gateway binds, one per replica)
+  samples  PUSH/PULL  agent, gateway -> reward   finished episodes as trajectories (reward binds)
+  train    PUSH/PULL  reward -> trainer          rewarded trajectories (trainer binds)
+  weights  PUSH/PULL  trainer -> weights         a new policy version is ready (weights binds)
 """
 
 from __future__ import annotations
@@ -190,7 +214,6 @@ class WeightsReady:
     version: Version
     location: str
     nbytes: int
-    step_seconds: float = 0.0
     lineage: str = ""
 
 
