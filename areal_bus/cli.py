@@ -1,7 +1,7 @@
 """The ``areal-bus`` command.
 
   areal-bus render TOPOLOGY [-o supervisord.conf]   write the supervisord.conf for a topology
-  areal-bus validate TOPOLOGY                       check a topology, print the resolved config
+  areal-bus validate TOPOLOGY                       check a topology and the files it names, print it resolved
   areal-bus node KIND --topology T [--replica N]    run one node (what supervisord runs)
   areal-bus node trainer --topology T --resume      continue a run from its newest checkpoint
   areal-bus probe [--topology T] [--json]           attach to a running system, print throughput
@@ -11,6 +11,9 @@
   areal-bus check-channel --config configs/router.yaml --model policy_model
                                                     one request through the model router: the reply,
                                                     or one line naming the failure and its fix
+
+Node kinds (and the probe) are found by name, ``nodes.<kind>``, with importlib: the library never
+imports a node module, so this command sits in the library and still reaches every node.
 """
 
 from __future__ import annotations
@@ -18,48 +21,68 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
 from areal_bus.security import CurveKeyError
-from areal_bus.topology import NODE_KINDS, TopologyError, dump_resolved, load_topology
+from areal_bus.topology import NODE_KINDS, TopologyError, check_files, dump_resolved, load_topology
 
 DEFAULT_TOPOLOGY = "topology/default.yaml"
 
 
-def _load(path: str):
-    try:
-        return load_topology(path)
-    except TopologyError as err:
-        print(f"areal-bus: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+def _load(path: str, base: Path | None = None, files: bool = True):
+    """(topology at ``path``, the environment variables its router keys come from), with the files it
+    names checked against ``base`` (the supervisord.conf's folder; default cwd) unless not ``files``.
+    TopologyError on any problem (``main`` prints it and exits 2)."""
+    topo = load_topology(path)
+    return topo, check_files(topo, base, source=path) if files else []
+
+
+def _node_module(name: str):
+    # By name, never `import nodes...`: areal_bus/ does not depend on any node module.
+    return importlib.import_module(f"nodes.{name}")
 
 
 def cmd_render(args) -> int:
     from areal_bus.render import write_conf
 
-    topo = _load(args.topology)
+    topo, _ = _load(args.topology, Path(args.output).resolve().parent)
     out = write_conf(topo, args.topology, args.output)
     print(f"wrote {out} ({', '.join(f'{k}={topo.replicas(k)}' for k in NODE_KINDS if topo.replicas(k))})")
     return 0
 
 
 def cmd_validate(args) -> int:
-    topo = _load(args.topology)
+    topo, key_vars = _load(args.topology)
     print(json.dumps(dump_resolved(topo), indent=2, sort_keys=True))
+    # Secrets are not required to validate (this shell may not be the one that starts the run), but
+    # one that is missing here is named, since a node that needs it will not start without it.
+    for name in key_vars:
+        if not os.environ.get(name):
+            print(f"areal-bus: note: ${name} is not set in this shell; the nodes that call the model router "
+                  f"read their API key from it at start: export {name}=<key> before starting the run",
+                  file=sys.stderr)
+    if topo.replicas("gateway") and topo.gateway_config().admin_token is None:
+        print("areal-bus: note: nodes.gateway.config.admin_token is empty here; the gateway refuses to start "
+              "without one: export AREAL_BUS_ADMIN_TOKEN (8+ characters) in the shell that starts the run",
+              file=sys.stderr)
     return 0
 
 
 def cmd_node(args) -> int:
-    topo = _load(args.topology)
-    # Node kinds are found by name: the library does not depend on any node module.
-    module = importlib.import_module(f"nodes.{args.kind}")
-    if args.resume:
-        if args.kind != "trainer":
-            print("areal-bus: --resume is for the trainer", file=sys.stderr)
-            return 2
-        return module.run(topo, args.replica, resume=True)
-    return module.run(topo, args.replica)
+    from areal_bus.router import RouterConfigError
+
+    topo, _ = _load(args.topology)
+    module = _node_module(args.kind)
+    if args.resume and args.kind != "trainer":
+        print("areal-bus: --resume is for the trainer", file=sys.stderr)
+        return 2
+    try:
+        return module.run(topo, args.replica, resume=True) if args.resume else module.run(topo, args.replica)
+    except RouterConfigError as err:  # a router key missing from this shell: one line naming the variable
+        print(f"areal-bus: {err}", file=sys.stderr)
+        return 2
 
 
 def cmd_keys(args) -> int:
@@ -77,10 +100,8 @@ def cmd_keys(args) -> int:
 
 
 def cmd_probe(args) -> int:
-    from nodes.probe import attach
-
-    topo = _load(args.topology)
-    return attach(topo, interval=args.interval, duration=args.duration, as_json=args.json)
+    topo, _ = _load(args.topology, files=False)  # it reads no file: attaching works from any folder
+    return _node_module("probe").attach(topo, interval=args.interval, duration=args.duration, as_json=args.json)
 
 
 def cmd_plot(args) -> int:
@@ -174,7 +195,7 @@ def main(argv=None) -> int:
         return 2
     try:
         return args.fn(args)
-    except CurveKeyError as err:  # endpoints.curve.key of a node or the probe: one line, file and fix
+    except (TopologyError, CurveKeyError) as err:  # a bad topology, a file it names, a CURVE key: file and fix
         print(f"areal-bus: {err}", file=sys.stderr)
         return 2
 

@@ -4,7 +4,9 @@ name the file, the field path and what is allowed.
 A topology YAML says which nodes run (kind, replicas, host, per-node config), where they meet
 (``endpoints``) and the training knobs users know from AReaL (async.enabled, staleness_threshold,
 trigger_batch_size, ...). ``${NAME}`` and ``${NAME:-default}`` in any string are expanded from the
-environment. Load with ``load_topology(path)``.
+environment. Each kind's ``config`` has its schema in areal_bus/node_configs.py. Load with
+``load_topology(path)``; ``check_files(topo, base)`` then checks what the run will read from disk (the
+model folder, the router files), which ``areal-bus validate``, ``render`` and ``node`` all do.
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ import hashlib
 import ipaddress
 import os
 import re
+import types
 from pathlib import Path
-from typing import Literal, get_args, get_origin
+from typing import Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
+
+from areal_bus.node_configs import GatewayConfig, NoConfig, RewardNodeConfig
 
 NODE_KINDS = ("bus", "gateway", "agent", "rollout", "reward", "trainer", "weights", "probe")
 
@@ -75,7 +80,6 @@ class DurabilityConfig(_Strict):
 
 
 class AgentConfig(_Strict):
-    gateway_config: str | None = Field(None, description="Router YAML for the gateway (gateway issue); unused by sim.")
     framework: Literal["sim", "guess"] = Field("sim", description="What plays episodes. 'sim': synthetic "
                                                "prompts for the simulated engines; 'guess': the built-in "
                                                "guess-the-number game (multi-turn, higher/lower feedback).")
@@ -107,9 +111,9 @@ class LengthDistribution(_Strict):
 
 class ModelSpec(_Strict):
     path: str = Field("models/tiny-guess", description="Local Hugging Face checkpoint (Qwen2 or Llama family: "
-                      "config.json, *.safetensors, tokenizer files). Relative to the supervisord.conf's folder.")
-    warmstart: bool = Field(True, description="If path holds no model, build the project's tiny model there "
-                            "first (areal_bus.warmstart: a tokenizer, synthetic demonstrations and a short SFT).")
+                      "config.json, *.safetensors, tokenizer files). Relative to the supervisord.conf's folder. "
+                      "Must exist for the torch and vllm engines and for a gateway (`areal-bus validate` checks); "
+                      "build the project's tiny one with `python scripts/warmstart.py --out PATH`.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype for "
                                                              "training and generation.")
     device: str = Field("cpu", description="torch device for the rollout and trainer engines ('cpu', 'cuda', 'cuda:1').")
@@ -184,7 +188,44 @@ class NodeSpec(_Strict):
     replicas: int | None = Field(None, ge=0, le=1024, description="Processes of this kind (0 = not started).")
     host: str = Field("localhost", description="Host the node runs on. With tcp, the IP address this kind's "
                       "channels bind at and its peers connect to ('localhost': endpoints.host).")
-    config: dict = Field(default_factory=dict, description="Node-specific settings, passed to the node as is.")
+    config: NoConfig = Field(default_factory=NoConfig, description="Node-specific settings: none for this kind.")
+
+
+class GatewaySpec(NodeSpec):
+    config: GatewayConfig = Field(default_factory=GatewayConfig, description="The gateway's settings "
+                                  "(areal_bus/node_configs.py: GatewayConfig).")
+
+
+class RewardSpec(NodeSpec):
+    config: RewardNodeConfig = Field(default_factory=RewardNodeConfig, description="How the reward node scores "
+                                     "(areal_bus/node_configs.py: RewardNodeConfig).")
+
+
+class Nodes(_Strict):
+    """``nodes``: the node kinds to run, each with its own config schema. A kind left out keeps its
+    defaults (and runs, but for the optional gateway and probe: see ``Topology.replicas``)."""
+
+    bus: NodeSpec = Field(default_factory=NodeSpec, description="The hub every node's events and versions pass.")
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec, description="The HTTP gateway (runs only when listed).")
+    agent: NodeSpec = Field(default_factory=NodeSpec, description="Plays episodes (agent.*).")
+    rollout: NodeSpec = Field(default_factory=NodeSpec, description="Rollout workers (rollout_engine.*).")
+    reward: RewardSpec = Field(default_factory=RewardSpec, description="Scores trajectories.")
+    trainer: NodeSpec = Field(default_factory=NodeSpec, description="The trainer (trainer_engine.*).")
+    weights: NodeSpec = Field(default_factory=NodeSpec, description="The weight broadcaster.")
+    probe: NodeSpec = Field(default_factory=NodeSpec, description="The throughput probe (runs only when listed).")
+
+    def get(self, kind: str) -> NodeSpec | None:
+        """The spec of ``kind`` if the topology lists it, else None."""
+        return getattr(self, kind) if kind in self.model_fields_set else None
+
+    def items(self) -> list[tuple[str, NodeSpec]]:
+        """(kind, spec) of the listed kinds."""
+        return [(k, getattr(self, k)) for k in NODE_KINDS if k in self.model_fields_set]
+
+    @model_serializer(mode="wrap")
+    def _listed_only(self, handler):
+        # Only the listed kinds: a dump read back must run the same nodes (a listed gateway runs).
+        return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
 
 
 class Topology(_Strict):
@@ -213,8 +254,7 @@ class Topology(_Strict):
     rollout_engine: RolloutEngineConfig = Field(default_factory=RolloutEngineConfig)
     trainer_engine: TrainerEngineConfig = Field(default_factory=TrainerEngineConfig)
     endpoints: Endpoints = Field(default_factory=Endpoints)
-    nodes: dict[Literal["bus", "gateway", "agent", "rollout", "reward", "trainer", "weights", "probe"], NodeSpec] = Field(
-        default_factory=dict, description="Node kinds to run; kinds left out get their defaults.")
+    nodes: Nodes = Field(default_factory=Nodes, description="Node kinds to run; kinds left out get their defaults.")
 
     @model_validator(mode="after")
     def _coherent(self):
@@ -256,6 +296,9 @@ class Topology(_Strict):
         if self.agent.via == "gateway" and (self.replicas("gateway") < 1 or self.agent.framework != "guess"):
             raise ValueError("agent.via 'gateway' needs a gateway node (nodes.gateway) and a real task "
                              "(agent.framework 'guess')")
+        gateway = self.nodes.gateway.config
+        if gateway.max_context_tokens is None:  # the engine's sequence length is the gateway's context
+            gateway.max_context_tokens = self.rollout_engine.max_len
         for kind in ("bus", "trainer", "weights"):
             spec = self.nodes.get(kind)
             if spec is not None and spec.replicas not in (None, 1):
@@ -293,9 +336,17 @@ class Topology(_Strict):
         agents = [f"agent-{i}" for i in range(self.replicas("agent"))] if self.agent.via == "bus" else []
         return agents + [f"gateway-{i}" for i in range(self.replicas("gateway"))]
 
-    def node_config(self, kind: str) -> dict:
-        spec = self.nodes.get(kind)
-        return dict(spec.config) if spec is not None else {}
+    def gateway_config(self) -> GatewayConfig:
+        """``nodes.gateway.config``, typed (its defaults when the gateway is not listed)."""
+        return self.nodes.gateway.config
+
+    def reward_config(self) -> RewardNodeConfig:
+        """``nodes.reward.config``, typed."""
+        return self.nodes.reward.config
+
+    def reward_source(self) -> str:
+        """What the reward node scores with: nodes.reward.config.reward_source, else agent.reward_source."""
+        return self.reward_config().reward_source or self.agent.reward_source
 
     @property
     def trainer_device(self) -> str:
@@ -315,9 +366,15 @@ class Topology(_Strict):
     def effective_trigger(self) -> int:
         return self.trigger_batch_size if self.is_async else self.global_batch_size
 
-    def log_dir(self, base: Path | None = None) -> Path:
-        p = Path(self.logging.log_dir)
+    @staticmethod
+    def resolve(path: str | os.PathLike, base: Path | None = None) -> Path:
+        """A topology path as a file: relative ones are relative to ``base``, the supervisord.conf's
+        folder (the cwd of `areal-bus render`, `validate` and of every node supervisord starts)."""
+        p = Path(path)
         return p if p.is_absolute() else (base or Path.cwd()) / p
+
+    def log_dir(self, base: Path | None = None) -> Path:
+        return self.resolve(self.logging.log_dir, base)
 
     def ipc_dir(self, base: Path | None = None) -> Path:
         if self.endpoints.ipc_dir:
@@ -331,8 +388,11 @@ class Topology(_Strict):
         return self.ipc_dir(base).name
 
     def model_path(self, base: Path | None = None) -> Path:
-        p = Path(self.model.path)
-        return p if p.is_absolute() else (base or Path.cwd()) / p
+        return self.resolve(self.model.path, base)
+
+    def needs_model(self) -> bool:
+        """Whether a node will load model.path: the torch/vllm engines, and a gateway (its tokenizer)."""
+        return self.rollout_engine.kind != "sim" or self.trainer_engine.kind != "sim" or self.replicas("gateway") > 0
 
     def endpoint(self, channel: str, replica: int = 0, base: Path | None = None) -> str:
         """Address of ``channel`` (as bound by its owner; connectors use the same string)."""
@@ -351,8 +411,7 @@ class Topology(_Strict):
             return None
         from areal_bus.security import load_keys
 
-        p = Path(self.endpoints.curve.key)
-        return load_keys(p if p.is_absolute() else (base or Path.cwd()) / p)
+        return load_keys(self.resolve(self.endpoints.curve.key, base))
 
 
 CHANNEL_OWNERS = {"hub_in": "bus", "hub_out": "bus", "work": "agent", "replies": "agent", "samples": "reward",
@@ -398,13 +457,22 @@ def _format_errors(source: str, err: ValidationError, model=Topology) -> str:
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = f"unknown field; allowed here: {', '.join(_allowed_fields(model, e['loc'][:-1]))}"
-        elif e["type"] == "literal_error":
-            msg = f"{msg}"
+            allowed = _allowed_fields(model, e["loc"][:-1])
+            msg = f"unknown field; allowed here: {', '.join(allowed)}" if allowed else \
+                "unknown field; this node kind takes no config (its knobs are top-level fields)"
         got = e.get("input")
-        shown = "" if e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
+        shown = "" if e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) \
+            or loc.endswith("admin_token") else f" (got {got!r})"
         lines.append(f"  {loc}: {msg}{shown}")
     return "\n".join(lines)
+
+
+def _model_of(ann):
+    """The pydantic model an annotation holds (``X``, ``X | None``), else None."""
+    if get_origin(ann) in (Union, types.UnionType):
+        models = [a for a in get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)]
+        return models[0] if len(models) == 1 else None
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
 
 
 def _allowed_fields(model, loc) -> list[str]:
@@ -415,11 +483,10 @@ def _allowed_fields(model, loc) -> list[str]:
             (f for f in model.model_fields.values() if f.alias == part), None)
         ann = getattr(field, "annotation", None)
         if get_origin(ann) is dict and parts:
-            parts.pop(0)  # the key (nodes.<kind>): every value of the mapping has one schema
+            parts.pop(0)  # the key: every value of the mapping has one schema
             ann = get_args(ann)[1]
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
-        else:
+        model = _model_of(ann)
+        if model is None:
             return []
     return sorted(f.alias or n for n, f in model.model_fields.items())
 
@@ -452,6 +519,53 @@ def read_yaml(path: str | os.PathLike, what: str, error: type[Exception]):
 def load_topology(path: str | os.PathLike) -> Topology:
     """Read, expand and validate a topology file. Raises TopologyError with one clear message."""
     return parse_topology(read_yaml(path, "topology", TopologyError), str(path))
+
+
+def check_files(topo: Topology, base: Path | None = None, source: str = "<topology>") -> list[str]:
+    """Check what the run will read from disk, which ``parse_topology`` leaves alone (so tests can build
+    topologies without files): model.path for the engines and the gateway, the router YAML of the
+    gateway and of a judging reward node (validated as ``load_router_config`` does), a reward_model
+    checkpoint. Relative paths are relative to ``base`` (the supervisord.conf's folder; default cwd).
+
+    Raises TopologyError naming ``source``, the field and the fix. Returns the environment variables the
+    router files read their keys from: secrets, which only the processes that use them need, so they
+    are not required here (the node that reads one fails at start with the variable's name)."""
+    # Here, not at the top: the router reads its YAML with this module's read_yaml.
+    from areal_bus.router import RouterConfigError, RouterError, load_router_config
+
+    problems: list[str] = []
+    if topo.needs_model():
+        problems += _check_model("model.path", topo.model.path, topo.model_path(base))
+    routers = []
+    if topo.replicas("gateway") and topo.gateway_config().router_config:
+        routers.append(("nodes.gateway.config.router_config", topo.gateway_config().router_config, None))
+    reward = topo.reward_config()
+    if topo.replicas("reward") and topo.reward_source() == "judge":
+        routers.append(("nodes.reward.config.router_config", reward.router_config, reward.judge_model))
+    if topo.replicas("reward") and topo.reward_source() == "reward_model":
+        problems += _check_model("nodes.reward.config.model_path", reward.model_path, topo.resolve(reward.model_path, base))
+    key_vars = []
+    for field, path, route in routers:
+        try:
+            cfg = load_router_config(topo.resolve(path, base), resolve_key=False)
+            if route is not None:
+                cfg.route(route)
+            key_vars.append(cfg.api_gateway.key_env)
+        except (RouterConfigError, RouterError) as err:
+            problems.append(f"{field}: {err}")  # the router error names the file and its field
+    if problems:
+        raise TopologyError("\n".join([f"{source}: files the run needs ({len(problems)} problem"
+                                       f"{'s' if len(problems) > 1 else ''})", *(f"  {p}" for p in problems)]))
+    return sorted(set(key_vars))
+
+
+def _check_model(field: str, written: str, path: Path) -> list[str]:
+    if (path / "config.json").is_file():
+        return []
+    what = "no such folder" if not path.exists() else "no config.json in it"
+    return [f"{field}: no model at {path} ({what}): build the project's tiny model with "
+            f"`python scripts/warmstart.py --out {written}`, or point {field} at a Hugging Face checkpoint "
+            f"folder (relative paths are relative to the supervisord.conf's folder)"]
 
 
 def dump_resolved(topo: Topology) -> dict:

@@ -75,7 +75,7 @@ from areal_bus.logs import setup_logging  # noqa: E402
 from areal_bus.metrics import Metrics  # noqa: E402
 from areal_bus.tasks.runner import load_tokenizer  # noqa: E402
 from areal_bus.topology import parse_topology  # noqa: E402
-from nodes.gateway.app import GATEWAY, GatewayConfig, bound_port, make_app, start_server  # noqa: E402
+from nodes.gateway.app import GATEWAY, bound_port, make_app, start_server  # noqa: E402
 from nodes.gateway.backend import SamplingParams  # noqa: E402
 from nodes.gateway.bus_backend import BusBackend, NoWorker  # noqa: E402
 from nodes.gateway.chat import ChatRenderer  # noqa: E402
@@ -511,7 +511,7 @@ async def run(args, work: Path, token: str):
     # Bound before the worker starts, so that its DEALER for gateway replica 1 connects at once.
     backend = BusBackend(ctx, topo.endpoint("gwork", 1), Encoder("bench-direct"), Metrics())
     # The in-process gateway: the node's app and config, logging to a file as the node does.
-    cfg = GatewayConfig(**{**topo.node_config("gateway"), "port": 0, "max_context_tokens": topo.rollout_engine.max_len})
+    cfg = topo.gateway_config().model_copy(update={"port": 0})  # max_context_tokens: the engine's max_len
     app = make_app(cfg, backend, tokenizer, log=setup_logging("gateway", work / "inproc", echo=False))
     stages = Stages(app)
     runner = None

@@ -5,8 +5,10 @@ pseudo-random score per episode, the same however often it is retried). Trajecto
 carry a reward (an agent that scored its own episode) pass through unchanged. The node keeps what it
 forwarded until the trainer acknowledges it, and resends if the trainer restarts.
 
-Two more sources are set in the reward node's own config (``nodes.reward.config`` in the topology),
-which, when it names a ``reward_source``, takes precedence over ``agent.reward_source``:
+Two more sources are set in the reward node's own config (``nodes.reward.config`` in the topology,
+schema ``RewardNodeConfig`` in areal_bus/node_configs.py, checked by ``areal-bus validate`` with the
+router file it names), which, when it names a ``reward_source``, takes precedence over
+``agent.reward_source``:
 
     nodes:
       reward:
@@ -34,15 +36,14 @@ import math
 import re
 import time
 from pathlib import Path
-from typing import Literal
 
 import zmq
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from areal_bus import messages as m
 from areal_bus.channels import Receiver, ReliableSender, open_socket
 from areal_bus.constants import POLL_MS
 from areal_bus.node import NodeShell
+from areal_bus.node_configs import DEFAULT_RUBRIC
 
 
 class Scorer:
@@ -64,39 +65,7 @@ class Scorer:
         return traj
 
 
-# -- reward_source judge / reward_model (from nodes.reward.config) ----------------------------------
-DEFAULT_RUBRIC = """You are grading one episode of an AI agent working on a task.
-
-Task:
-{task}
-
-Transcript of the agent's turns and the environment's replies:
-{transcript}
-
-Score 0-10: 10 means the task was fully solved, 0 means no progress. Reply with the score first
-(for example "Score: 7"), then one sentence saying why."""
-
-
-class RewardNodeConfig(BaseModel):
-    """``nodes.reward.config``: how the reward node scores, when it is not the task's rule."""
-
-    model_config = ConfigDict(extra="forbid")
-    reward_source: Literal["rule", "passthrough", "judge", "reward_model"] | None = Field(
-        None, description="Overrides agent.reward_source. judge: an LLM judge through the router; "
-        "reward_model: a local sequence-classification checkpoint.")
-    router_config: str = Field("configs/router.yaml", description="judge: the router YAML (relative to the "
-                               "supervisord.conf's folder).")
-    judge_model: str = Field("judge_model", description="judge: the route (role or model_id) asked.")
-    rubric: str = Field(DEFAULT_RUBRIC, min_length=1, description="judge: the prompt; {task} and {transcript} "
-                        "are replaced by the episode's task statement and text.")
-    score_scale: float = Field(10.0, gt=0, description="judge: the top of the judge's scale; reward = score / scale, "
-                               "clipped to [0, 1].")
-    model_path: str | None = Field(None, description="reward_model: a Hugging Face sequence-classification "
-                                   "checkpoint (relative to the supervisord.conf's folder).")
-    device: str = Field("cpu", description="reward_model: torch device.")
-    max_length: int = Field(2048, ge=8, le=1_000_000, description="reward_model: tokens scored (the start is "
-                            "kept, the rest cut).")
-
+# -- reward_source judge / reward_model (nodes.reward.config: RewardNodeConfig) --------------------------
 
 class EpisodeText:
     """(task, transcript) of a trajectory: ``meta['task']`` / ``meta['transcript']`` when the agent
@@ -180,21 +149,6 @@ class RewardModel:
         return float(self.torch.softmax(logits, -1)[-1])
 
 
-def _node_config(topo) -> RewardNodeConfig:
-    try:
-        return RewardNodeConfig.model_validate(topo.node_config("reward"))
-    except ValidationError as err:
-        from areal_bus.topology import TopologyError
-
-        problems = "; ".join(f"nodes.reward.config.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
-        raise TopologyError(problems) from None
-
-
-def _resolve(path: str, base) -> Path:
-    p = Path(path)
-    return p if p.is_absolute() else (base or Path.cwd()) / p
-
-
 def _episode_text(topo, base) -> EpisodeText:
     if topo.agent.framework == "sim":
         return EpisodeText()
@@ -206,21 +160,17 @@ def _episode_text(topo, base) -> EpisodeText:
 def make_scorer(topo, base=None, metrics=None, log=None) -> Scorer:
     """The scorer for ``nodes.reward.config.reward_source``, else ``agent.reward_source``. ``metrics``
     counts unparseable judge replies; ``log`` gets the router's per-request lines."""
-    cfg = _node_config(topo)
-    source = cfg.reward_source or topo.agent.reward_source
+    cfg = topo.reward_config()  # validated with the topology (areal_bus/node_configs.py)
+    source = topo.reward_source()
     if source == "judge":
         from areal_bus.router import ModelRouter, load_router_config
 
-        router = ModelRouter(load_router_config(_resolve(cfg.router_config, base)), log=log)
+        router = ModelRouter(load_router_config(topo.resolve(cfg.router_config, base)), log=log)
         router.cfg.route(cfg.judge_model)  # an unknown route fails at start, not on the first episode
         return Scorer(source, Judge(router, cfg.rubric, cfg.score_scale, cfg.judge_model,
                                     _episode_text(topo, base), metrics))
-    if source == "reward_model":
-        if not cfg.model_path:
-            from areal_bus.topology import TopologyError
-
-            raise TopologyError("nodes.reward.config.model_path: reward_source reward_model needs a checkpoint path")
-        return Scorer(source, RewardModel(_resolve(cfg.model_path, base), cfg.device, cfg.max_length,
+    if source == "reward_model":  # the schema requires model_path with this source
+        return Scorer(source, RewardModel(topo.resolve(cfg.model_path, base), cfg.device, cfg.max_length,
                                           _episode_text(topo, base)))
     return _rule_scorer(topo, source, base)
 

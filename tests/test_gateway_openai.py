@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from areal_bus.messages import Completion
-from nodes.gateway.app import GATEWAY, GatewayConfig, bound_port, make_app, start_server
+from areal_bus.node_configs import GatewayConfig
+from nodes.gateway.app import GATEWAY, bound_port, make_app, start_server
 from nodes.gateway.backend import LocalEngineBackend
 from nodes.gateway.chat import ChatRenderer, parse_tool_calls
 

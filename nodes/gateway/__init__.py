@@ -1,6 +1,7 @@
 """Gateway node: the HTTP front door (OpenAI and Anthropic APIs) through which agents join training.
 
-``app`` builds the aiohttp application (``make_app``, ``GatewayConfig``) and serves the chat APIs;
+``app`` builds the aiohttp application (``make_app``) and serves the chat APIs (its config,
+``GatewayConfig``, is in areal_bus/node_configs.py with the topology's other node configs);
 ``rl_routes`` the /rl session routes; ``server`` the HTTP plumbing (error middleware, ``start_server``); ``sessions``
 records each session's tokens and ends it into trajectories; ``chat`` renders conversations through
 the policy's chat template; ``guard`` holds the input limits and the log redaction; ``backend`` defines

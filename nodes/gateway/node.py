@@ -24,7 +24,7 @@ from areal_bus.channels import ReliableSender, open_socket
 from areal_bus.ledger import Ledger, ledger_path
 from areal_bus.node import NodeShell
 from areal_bus.version import PolicyVersion
-from nodes.gateway.app import GatewayConfig, make_app, start_server
+from nodes.gateway.app import make_app, start_server
 from nodes.gateway.bus_backend import BusBackend
 
 HUB_TICK_S = 0.02
@@ -46,22 +46,20 @@ def run(topo, replica: int = 0, base=None) -> int:
     shell = NodeShell(topo, "gateway", replica, base=base, watch=("rollout", "reward", "trainer"),
                       topics=(m.TOPIC_VERSION, m.TOPIC_TRAJ_ACK, m.TOPIC_RUN))
     shell.install_signal_handlers()
-    node_cfg = topo.node_config("gateway")
-    if not node_cfg.get("admin_token"):
+    cfg = topo.gateway_config()  # validated with the topology; max_context_tokens is the engine's max_len
+    if cfg.admin_token is None:
         shell.log.error("no_admin_token", fix="export AREAL_BUS_ADMIN_TOKEN (8+ characters) in the shell that "
                         "starts supervisord (scripts/run_default.sh makes one per run)")
         shell.close()
         return 2
-    router_path = node_cfg.pop("router_config", None)
-    cfg = GatewayConfig(**{"max_context_tokens": topo.rollout_engine.max_len, **node_cfg})
     from areal_bus.tasks.runner import load_tokenizer
 
     tokenizer = load_tokenizer(topo.model_path(base))
     router = None
-    if router_path:
+    if cfg.router_config:
         from areal_bus.router import ModelRouter, load_router_config
 
-        router = ModelRouter(load_router_config(router_path), log=shell.log)
+        router = ModelRouter(load_router_config(topo.resolve(cfg.router_config, base)), log=shell.log)
     n_reward = topo.replicas("reward")
     targets = [shell.endpoint("samples", i) for i in range(n_reward)] if n_reward else [shell.endpoint("train")]
     consumer_kind = "reward" if n_reward else "trainer"
@@ -83,7 +81,7 @@ def run(topo, replica: int = 0, base=None) -> int:
             admission.admit(1)
         traj.source = source
         ledger.write("produced", ids=[traj.traj_id])
-        sender.offer(traj.traj_id, traj, (traj.start_version,))
+        sender.offer(traj.traj_id, traj)
         shell.metrics.inc("samples")
         shell.metrics.inc("tokens", int(traj.loss_mask.sum()))
 
@@ -107,7 +105,7 @@ def run(topo, replica: int = 0, base=None) -> int:
         runner = await start_server(app, cfg)
         backend.start()
         shell.announce_start(host=cfg.host, port=cfg.port, policy_model=cfg.policy_model,
-                             router=router_path or "-")
+                             router=cfg.router_config or "-")
         shell.start_heartbeat()
         last_resend = time.monotonic()
         try:

@@ -25,7 +25,7 @@ from nodes.gateway.guard import ProtocolLog
 from nodes.gateway.openai_api import OpenAIError, error_body
 
 if TYPE_CHECKING:
-    from nodes.gateway.app import GatewayConfig
+    from areal_bus.node_configs import GatewayConfig
 
 try:  # optional: a JSON codec several times faster than json's, on every response body
     import orjson

@@ -53,12 +53,15 @@ async def serve(args, log) -> None:
     import torch
 
     from areal_bus.engines.torch_engine import TorchRolloutEngine
+    from areal_bus.node_configs import GatewayConfig
     from areal_bus.tasks.runner import load_tokenizer
-    from nodes.gateway.app import GatewayConfig, bound_port, make_app, start_server
+    from nodes.gateway.app import bound_port, make_app, start_server
     from nodes.gateway.backend import LocalEngineBackend
 
     torch.set_num_threads(args.threads)
     token = os.environ.get("AREAL_BUS_ADMIN_TOKEN", "")
+    if not token:  # GatewayConfig takes an empty token as none; a gateway without one must not start
+        raise SystemExit("AREAL_BUS_ADMIN_TOKEN is not set: export it (8+ characters) before starting the gateway")
     cfg = GatewayConfig(admin_token=token, host=args.host, port=args.port, max_context_tokens=args.max_len,
                         **json.loads(args.config))
     backend = LocalEngineBackend(TorchRolloutEngine(args.model, max_batch=args.max_batch, max_len=args.max_len))

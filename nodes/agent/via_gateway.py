@@ -1,10 +1,11 @@
-"""The agent node's gateway mode (``agent.via: gateway``): episodes played as a user's agent would.
+"""The agent node through the gateway (``agent.via: gateway``): episodes played as a user's agent would.
 
 Each episode opens a session on the gateway (admin token; the task's seed and the GRPO group travel as
 session metadata, so the reward node can verify the episode), then talks to the policy with the stock
 ``openai`` SDK given only ``base_url`` and the session key, turn by turn, and ends the session: the
 gateway records the exact tokens and emits the trajectory. A refused session (HTTP 429: the system is
 as far ahead of training as the staleness bound allows) is retried after the gateway's Retry-After.
+Where the gateway listens and its admin token are the topology's ``nodes.gateway.config`` (GatewayConfig).
 
 Run: areal-bus node agent --topology topology/default.yaml   (with agent.via: gateway)
 """
@@ -12,7 +13,6 @@ Run: areal-bus node agent --topology topology/default.yaml   (with agent.via: ga
 from __future__ import annotations
 
 import asyncio
-import os
 
 import aiohttp
 import numpy as np
@@ -60,53 +60,52 @@ async def play_episode(shell, openai_mod, base_url: str, admin: str, task: Guess
     return ep.reward
 
 
-def run(topo, replica: int = 0, base=None) -> int:
-    import openai
+class GatewayAgent:
+    """Plays GRPO groups through the gateway until the trainer's run state says the run is over."""
 
-    shell = NodeShell(topo, "agent", replica, base=base, watch=("gateway",), topics=(m.TOPIC_RUN,))
-    shell.install_signal_handlers()
-    gw = topo.node_config("gateway")
-    base_url = f"http://{gw.get('host', '127.0.0.1')}:{gw.get('port', 9000)}"
-    admin = gw.get("admin_token") or os.environ.get("AREAL_BUS_ADMIN_TOKEN", "")
-    task = GuessTask(topo.agent.task_size, topo.agent.max_turns)
-    rng = np.random.default_rng(topo.agent.seed * 1000 + replica)
-    group = topo.agent.group_size
-    finished = asyncio.Event()
-    shell.announce_start(via="gateway", base_url=base_url, group_size=group)
-    shell.start_heartbeat()
+    def __init__(self, topo, replica: int, shell, openai_mod):
+        gw = topo.gateway_config()
+        self.base_url, self.admin = gw.base_url, gw.admin_token
+        self.shell, self.openai, self.replica = shell, openai_mod, replica
+        self.sampling = topo.rollout_engine
+        self.task = GuessTask(topo.agent.task_size, topo.agent.max_turns)
+        self.rng = np.random.default_rng(topo.agent.seed * 1000 + replica)
+        self.group = topo.agent.group_size
+        self.finished = asyncio.Event()
 
-    async def watch_hub():
-        while not shell.stopping.is_set():
-            for _, msg in shell.drain_hub():
+    async def watch_hub(self) -> None:
+        while not self.shell.stopping.is_set():
+            for _, msg in self.shell.drain_hub():
                 if isinstance(msg, m.RunState) and msg.finished:
-                    finished.set()
+                    self.finished.set()
             await asyncio.sleep(0.05)
-        finished.set()
+        self.finished.set()
 
-    async def play_group(index: int):
-        seed = int(rng.integers(0, EVAL_SEED_BASE))
-        gid = f"agent{replica}-g{index}"
-        rewards = await asyncio.gather(*(play_episode(shell, openai, base_url, admin, task, seed, gid,
-                                                      topo.rollout_engine) for _ in range(group)))
-        shell.metrics.inc("groups")
+    async def play_group(self, index: int) -> None:
+        seed = int(self.rng.integers(0, EVAL_SEED_BASE))
+        gid = f"agent{self.replica}-g{index}"
+        rewards = await asyncio.gather(*(play_episode(self.shell, self.openai, self.base_url, self.admin, self.task,
+                                                      seed, gid, self.sampling) for _ in range(self.group)))
+        self.shell.metrics.inc("groups")
         if index % 8 == 0:
-            shell.log.info("group", index=index, seed=seed, mean_reward=round(float(np.mean(rewards)), 3))
+            self.shell.log.info("group", index=index, seed=seed, mean_reward=round(float(np.mean(rewards)), 3))
 
-    async def main():
+    async def main(self) -> None:
         from areal_bus.gateway_client import check_gateway
 
-        hub = asyncio.create_task(watch_hub())
-        await asyncio.to_thread(check_gateway, f"{base_url}/v1", 5.0, admin, 120.0)  # waits while it starts
+        shell = self.shell
+        hub = asyncio.create_task(self.watch_hub())
+        await asyncio.to_thread(check_gateway, f"{self.base_url}/v1", 5.0, self.admin, 120.0)  # waits while it starts
         running: set[asyncio.Task] = set()
         index = 0
-        while not finished.is_set():
-            while len(running) < MAX_GROUPS_IN_FLIGHT and not finished.is_set():
-                running.add(asyncio.create_task(play_group(index)))
+        while not self.finished.is_set():
+            while len(running) < MAX_GROUPS_IN_FLIGHT and not self.finished.is_set():
+                running.add(asyncio.create_task(self.play_group(index)))
                 index += 1
             done, running_left = await asyncio.wait(running, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
             running = set(running_left)
             for t in done:
-                if t.exception() is not None and not finished.is_set():
+                if t.exception() is not None and not self.finished.is_set():
                     shell.log.warning("episode_failed", error=repr(t.exception())[:300])
         for t in running:
             t.cancel()
@@ -116,10 +115,23 @@ def run(topo, replica: int = 0, base=None) -> int:
         while not shell.stopping.is_set():  # stay up (idle) until supervisord stops the run
             await asyncio.sleep(0.2)
 
-    try:
-        import uvloop
 
-        uvloop.run(main())
+def run(topo, replica: int = 0, base=None) -> int:
+    import openai
+    import uvloop
+
+    shell = NodeShell(topo, "agent", replica, base=base, watch=("gateway",), topics=(m.TOPIC_RUN,))
+    shell.install_signal_handlers()
+    agent = GatewayAgent(topo, replica, shell, openai)
+    if agent.admin is None:  # the gateway will not start either: say so here too, with the fix
+        shell.log.error("no_admin_token", fix="export AREAL_BUS_ADMIN_TOKEN (8+ characters) in the shell that "
+                        "starts supervisord; nodes.gateway.config.admin_token reads it")
+        shell.close()
+        return 2
+    shell.announce_start(via="gateway", base_url=agent.base_url, group_size=agent.group)
+    shell.start_heartbeat()
+    try:
+        uvloop.run(agent.main())
     finally:
         shell.close()
     return 0

@@ -1,6 +1,7 @@
-"""Agent node: plays episodes, under the staleness admission rule, and records each as a trajectory.
+"""The agent node's core: plays episodes under the staleness admission rule and records each as a
+trajectory, owning no sockets (``node.run`` wires it to the bus).
 
-``EpisodeSource`` (no sockets) decides when an episode may start (AReaL's capacity rule), turns each
+``EpisodeSource`` decides when an episode may start (AReaL's capacity rule), turns each
 turn into a GenerateRequest, folds each Completion into the episode's token record, and emits the
 finished episode as one Trajectory. It tracks every generation request until its completion arrives:
 a request held by a rollout worker that dies (or sitting in its pipe) is issued again under the same
@@ -9,27 +10,21 @@ counts them (consumed, or dropped as over-stale, which gives the slot back); tho
 so a lost hub message never leaks a slot.
 
 A driver plays the task: ``sim`` (synthetic single-turn prompts, output lengths drawn by the simulated
-engine) here; real multi-turn tasks plug in the same way.
-
-Run: areal-bus node agent --topology topology/default.yaml --replica 0
+engine) here; real multi-turn tasks plug in the same way (``make_driver``).
 """
 
 from __future__ import annotations
 
-import time
 import uuid
 from dataclasses import dataclass
 
 import numpy as np
-import zmq
 
 from areal_bus import messages as m
 from areal_bus.admission import Admission
-from areal_bus.channels import Receiver, ReliableSender, open_socket
-from areal_bus.constants import POLL_MS, REISSUE_UNCLAIMED_S, WORK_HWM
+from areal_bus.constants import REISSUE_UNCLAIMED_S
 from areal_bus.episode import EpisodeRecord
-from areal_bus.ledger import Ledger, ledger_path
-from areal_bus.node import NodeShell
+from areal_bus.version import PolicyVersion
 
 
 class SimDriver:
@@ -80,12 +75,17 @@ class EpisodeSource:
         self.rng = np.random.default_rng(topo.agent.seed * 1000 + replica)
         self.prefix = f"a{replica}-{uuid.uuid4().hex[:8]}"
         self.count = 0
-        self.version = 0
+        self.policy = PolicyVersion()  # the newest the trainer or the broadcaster announced
         self.finished = False
         self.abandoned = 0  # episodes given up because a worker refused a turn
         self.requests: dict[str, _Req] = {}  # generation requests not yet completed
         self.episodes: dict[str, _Episode] = {}  # episodes being played
         self.to_send: list[m.GenerateRequest] = []  # requests ZeroMQ has not taken yet
+
+    @property
+    def version(self) -> int:
+        """The number of the newest policy version (what admission counts in)."""
+        return self.policy.version
 
     # -- admission -------------------------------------------------------------------------------
     def start_episodes(self, now: float) -> int:
@@ -148,9 +148,14 @@ class EpisodeSource:
         traj.source = self.source
         return traj
 
+    def on_version(self, msg) -> None:
+        """A VersionAnnounce or RunState: follow the policy when (lineage, version) goes up (a resumed
+        trainer's new lineage is newer even where its number is lower)."""
+        self.policy = max(self.policy, PolicyVersion.of(msg))
+
     def on_run_state(self, state: m.RunState) -> None:
         # The trainer's own version: admission must not wait on the broadcaster being up.
-        self.version = max(self.version, state.version)
+        self.on_version(state)
         self.admission.follow(state, self.source)
 
     def on_claims(self, worker: str, inflight: list) -> None:
@@ -182,97 +187,3 @@ def make_driver(topo, base=None):
     from areal_bus.tasks.runner import GuessDriver, load_tokenizer
 
     return GuessDriver(load_tokenizer(topo.model_path(base)), n=topo.agent.task_size, max_turns=topo.agent.max_turns)
-
-
-def downstream(topo, shell) -> list[str]:
-    """Where finished episodes go: every reward replica (PUSH round-robins), or the trainer."""
-    n = topo.replicas("reward")
-    return [shell.endpoint("samples", i) for i in range(n)] if n else [shell.endpoint("train")]
-
-
-def run(topo, replica: int = 0, base=None) -> int:
-    if topo.agent.via == "gateway":
-        from nodes.agent_gateway import run as run_via_gateway
-
-        return run_via_gateway(topo, replica, base)
-    shell = NodeShell(topo, "agent", replica, base=base, watch=("rollout", "reward", "trainer"),
-                      topics=(m.TOPIC_VERSION, m.TOPIC_TRAJ_ACK, m.TOPIC_RUN))
-    shell.install_signal_handlers()
-    work = open_socket(shell.ctx, zmq.PUSH, shell.endpoint("work", replica), bind=True, hwm=WORK_HWM)
-    replies = open_socket(shell.ctx, zmq.PULL, shell.endpoint("replies", replica), bind=True,
-                          hwm=topo.queue_max_size)
-    out = open_socket(shell.ctx, zmq.PUSH, downstream(topo, shell), bind=False, hwm=topo.queue_max_size)
-    sender = ReliableSender(out, shell.encoder, shell.metrics, "out", capacity=topo.queue_max_size)
-    inbox = Receiver(replies, shell.metrics, shell.log)
-    src = EpisodeSource(topo, replica, topo.replicas("agent"), make_driver(topo, base),
-                        source=f"{shell.node_id}:{shell.incarnation}")
-    consumer_kind = "reward" if topo.replicas("reward") else "trainer"
-    ledger = Ledger(ledger_path(shell.log_dir, shell.node_id))  # what we produced, for the audit
-    shell.announce_start(mode="async" if topo.is_async else "sync", staleness=topo.effective_staleness,
-                         batch=src.admission.batch_share, framework=topo.agent.framework)
-    shell.start_heartbeat()
-    poller = zmq.Poller()
-    poller.register(shell.sub, zmq.POLLIN)
-    poller.register(replies, zmq.POLLIN)
-    t_resend = time.monotonic()
-    try:
-        while not shell.stopping.is_set():
-            now = time.monotonic()
-            for _, msg in shell.drain_hub():
-                if isinstance(msg, m.VersionAnnounce):
-                    src.version = max(src.version, msg.version)
-                elif isinstance(msg, m.TrajAck):
-                    sender.settle(msg)  # admission counts come from the run state, not from acks
-                elif isinstance(msg, m.Heartbeat) and msg.kind == "rollout":
-                    src.on_claims(msg.node_id, msg.inflight)
-                elif isinstance(msg, m.Event) and msg.name == "peer_dead" and msg.fields.get("kind") == "rollout":
-                    n = src.reissue(msg.node_id, now)
-                    if n:
-                        shell.log.warning("reissued", requests=n, dead_worker=msg.node_id)
-                elif isinstance(msg, m.Event) and msg.name == "peer_restarted" and msg.fields.get("kind") == consumer_kind:
-                    shell.log.warning("resent", trajectories=sender.resend(), reason=f"{msg.node_id} restarted")
-                elif isinstance(msg, m.RunState):
-                    src.on_run_state(msg)
-                    if msg.finished and not src.finished:
-                        src.finished = True
-                        shell.log.info("run_finished", version=msg.version, episodes=src.count)
-            for _, comp in inbox.drain():
-                if not isinstance(comp, m.Completion):
-                    inbox.drop("wrong_type", type(comp).__name__)
-                    continue
-                abandoned = src.abandoned
-                traj = src.on_completion(comp, now)
-                if src.abandoned > abandoned:
-                    shell.metrics.inc("episodes_abandoned")
-                    shell.log.warning("episode_abandoned", episode=comp.episode_id, worker=comp.worker,
-                                      error=comp.error[:200])
-                if traj is not None:
-                    ledger.write("produced", ids=[traj.traj_id])
-                    sender.offer(traj.traj_id, traj, (traj.start_version,))
-                    shell.metrics.inc("samples")
-                    shell.metrics.inc("tokens", int(traj.loss_mask.sum()))
-            n = src.reissue(None, now)
-            if n:
-                shell.log.warning("reissued", requests=n, reason="unclaimed")
-            if not sender.full:  # backpressure: no new episodes while the data path is backed up
-                shell.metrics.inc("admitted", src.start_episodes(now))
-            while src.to_send:
-                try:
-                    work.send_multipart(shell.encoder.encode(src.to_send[0], (src.to_send[0].min_version,)),
-                                        flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break  # every worker is busy: the request waits here, counted as queued
-                src.to_send.pop(0)
-            sender.flush()
-            if now - t_resend > 1.0:
-                sender.resend_overdue()
-                t_resend = now
-            shell.metrics.gauge("queue.unsent", len(src.to_send))
-            shell.metrics.gauge("running", len(src.requests))
-            shell.metrics.gauge("capacity", src.admission.capacity(src.version))
-            shell.metrics.gauge("admission_batch", src.admission.batch)
-            poller.poll(POLL_MS if not (src.to_send or sender.pending) else 2)
-    finally:
-        ledger.close()
-        shell.close()
-    return 0
