@@ -50,7 +50,7 @@ CREATE TABLE IF NOT EXISTS spool (seq INTEGER PRIMARY KEY AUTOINCREMENT, traj_id
 
 def pack(traj: Trajectory, encoder: Encoder) -> bytes:
     """One blob: the codec's frames (header and raw arrays) as a msgpack list of bytes."""
-    return msgpack.packb(encoder.encode(traj, (traj.start_version,)), use_bin_type=True)
+    return msgpack.packb(encoder.encode(traj), use_bin_type=True)
 
 
 def unpack(blob: bytes) -> Trajectory:

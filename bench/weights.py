@@ -117,7 +117,7 @@ def reader_main(idx: int, name: str, ipc_dir: str, first: str, last: str) -> Non
                 reader.release(serving)
             serving = ann.version
             ack = m.VersionAck(node_id=node_id, version=serving, switch_seconds=time.perf_counter() - t0)
-            push.send_multipart(enc.encode(ack, (serving,)))
+            push.send_multipart(enc.encode(ack))
     finally:
         model.clear()
         reader.close()
@@ -223,7 +223,7 @@ def main() -> None:
             loc = writer.write(state, version)
             t1 = time.perf_counter()
             ann = m.VersionAnnounce(version=version, location=loc, nbytes=nbytes, published_at=time.time())
-            pub.send_multipart(pack_topic(m.TOPIC_VERSION, enc.encode(ann, (version,))), copy=False)
+            pub.send_multipart(pack_topic(m.TOPIC_VERSION, enc.encode(ann)), copy=False)
             switch = wait_acks(pull, version, args.readers)
             t2 = time.perf_counter()
             writer.mark_released(version - 1)  # every reader acked `version`: older buffers are free
