@@ -121,8 +121,7 @@ def run(topo, replica: int = 0, base=None) -> int:
             if router is not None:
                 await router.close()
 
-    backend = BusBackend(shell.ctx, shell.endpoint("gwork", replica), shell.encoder, shell.metrics,
-                         version_fn=lambda: shell.version)
+    backend = BusBackend(shell.ctx, shell.endpoint("gwork", replica), shell.encoder, shell.metrics)
     try:
         import uvloop
 
