@@ -25,12 +25,10 @@ from nodes.gateway.anthropic_api import (
     count_tokens_response,
     error_body,
     estimate_tokens,
-    format_sse,
-    from_openai_response,
     invalid_api_key,
-    stream_events,
     to_openai_request,
 )
+from nodes.gateway.anthropic_reply import format_sse, from_openai_response, stream_events
 
 pytestmark = pytest.mark.timeout(30)
 

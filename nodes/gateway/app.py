@@ -32,9 +32,12 @@ their own, which a disconnect does not cancel (an admin call, with nothing to re
 its handler). Sessions idle longer than ``session_idle_timeout_s`` are
 ended by a sweeper; at shutdown every open session is ended (``end_reason`` "shutdown") and emitted.
 
-Here: the config, the Gateway (keys, chat and model routes, session lifecycle) and ``make_app``. The /rl
-routes and /health are ``rl_routes.RLRoutes``, a mixin of Gateway; the HTTP plumbing (``json_response``,
-the error middleware, ``start_server``) is in ``server``, its public names re-exported here.
+Here: the config, the Gateway (keys and bodies, session lifecycle, the OpenAI chat and model routes) and
+``make_app``. The Gateway is put together from mixins, one module each: ``policy_chat.PolicyChat`` serves a
+chat request with the policy (prompt, generation, recording, choice post-processing, the response),
+``anthropic_routes.AnthropicRoutes`` the Anthropic Messages routes, ``rl_routes.RLRoutes`` the /rl routes
+and /health. The HTTP plumbing (``json_response``, the error middleware, ``start_server``) is in
+``server``, its public names re-exported here.
 
 Build and serve (the gateway node's ``run`` does this with the bus backend)::
 
@@ -45,33 +48,30 @@ Build and serve (the gateway node's ``run`` does this with the bus backend)::
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import hmac
 import itertools
 import json
 import secrets
 import time
-from dataclasses import dataclass
 
-import numpy as np
 import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from areal_bus.metrics import Metrics
-from nodes.gateway import anthropic_api
-from nodes.gateway.backend import Backend, SamplingParams
-from nodes.gateway.chat import ChatError, ChatRenderer, canonical, parse_tool_calls
+from nodes.gateway.anthropic_routes import AnthropicRoutes
+from nodes.gateway.backend import Backend
+from nodes.gateway.chat import ChatRenderer
 from nodes.gateway.guard import MAX_JSON_DEPTH, RedactingLog, check_json, too_deep
-from nodes.gateway.live import LiveStream, TextFeed
-from nodes.gateway.openai_api import (SSE_DONE, ChatRequest, OpenAIError, completion_response, model_card,
-                                      parse_chat_request, router_error, sse, stream_chunks, token_logprobs)
+from nodes.gateway.live import LiveStream
+from nodes.gateway.openai_api import (SSE_DONE, OpenAIError, model_card, parse_chat_request, router_error, sse,
+                                      stream_chunks)
+from nodes.gateway.policy_chat import PolicyChat
 from nodes.gateway.rl_routes import RLRoutes
-from nodes.gateway.server import ADMIN, GATEWAY, _errors, _reason, json_response, sse_reply
+from nodes.gateway.server import ADMIN, GATEWAY, _errors, json_response, sse_reply
 from nodes.gateway.server import GatewayStartError, bound_port, start_server  # noqa: F401 (re-exported)
-from nodes.gateway.sessions import Choice, Session, SessionStore, key_digest
+from nodes.gateway.sessions import Session, SessionStore, key_digest
 
 try:  # optional: a JSON codec several times faster than json's, on every request and response body
     import orjson
@@ -81,10 +81,6 @@ except ImportError:
 EXPIRY_SWEEP_MAX_S = 1.0
 """The idle sweeper runs at least this often (more often for short timeouts: a quarter of the timeout),
 so a session ends within ~1 s of its idle deadline at the cost of one dict scan per second."""
-
-QUEUE_RETRY_AFTER_S = 1
-"""Retry-After for a request refused because ``max_pending_requests`` generations are pending: about
-the time a batch of short completions takes to drain, so a retried request usually finds room."""
 
 KEY_HELP = ("Check: is the environment variable holding the key set in this shell (echo ${#VAR} prints "
             "its length)? Does the config say ${VAR} rather than a literal? Is there stray whitespace or a "
@@ -131,15 +127,10 @@ _ENDED_WHY = {"idle": "idle for longer than session_idle_timeout_s", "ended": "e
               "shutdown": "the gateway shut down"}
 
 
-@dataclass(slots=True)
-class _Out:
-    """One choice after the gateway's post-processing."""
-    completion: object  # areal_bus.messages.Completion, cut at a string stop
-    message: dict
-    finish_reason: str
+class Gateway(PolicyChat, AnthropicRoutes, RLRoutes):
+    """The gateway behind one aiohttp application: its keys, sessions and routes (see the module
+    docstring for which mixin serves which)."""
 
-
-class Gateway(RLRoutes):
     def __init__(self, cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, emit=None,
                  admission=None, log=None, metrics=None):
         self.cfg = cfg
@@ -315,208 +306,6 @@ class Gateway(RLRoutes):
                       ms=round((time.monotonic() - t0) * 1000))
         return resp
 
-    async def complete(self, req: ChatRequest, who, t0: float, live: LiveStream | None = None,
-                       request: web.Request | None = None):
-        """Serve a policy request: (response dict, choices). With ``live`` the reply is streamed to
-        ``request`` while it is generated, and finished here ((None, []) if it ended in an error)."""
-        session = who if isinstance(who, Session) else None
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        history = [canonical(m) for m in messages]
-        tools_key = json.dumps(tools, sort_keys=True) if tools else ""
-        base = self.store.match(session, history, tools_key) if session is not None else None
-        try:
-            if base is not None:
-                env_ids = self.renderer.continuation_ids(messages[base.depth:], tools, base.closed)
-                prompt = np.concatenate([base.next_prompt(), np.asarray(env_ids, dtype=np.int32)])
-            else:
-                env_ids = None
-                prompt = np.asarray(self.renderer.prompt_ids(messages, tools), dtype=np.int32)
-        except ChatError as exc:
-            raise OpenAIError(400, str(exc), param=exc.param, code="invalid_messages") from None
-        if prompt.size >= self.max_context:
-            raise OpenAIError(400, f"This model's maximum context length is {self.max_context} tokens. However, "
-                              f"your messages resulted in {prompt.size} tokens"
-                              f"{' (the session so far included)' if base is not None else ''}. Please reduce "
-                              f"the length of the messages.", param="messages", code="context_length_exceeded")
-        room = self.max_context - int(prompt.size)
-        wanted = req.max_completion_tokens or req.max_tokens or self.cfg.default_max_tokens or room
-        stops = req.stops
-        temperature = 1.0 if req.temperature is None else float(req.temperature)
-        params = SamplingParams(max_tokens=min(wanted, room), temperature=temperature,
-                                top_p=1.0 if req.top_p is None else float(req.top_p),
-                                stop_token_ids=tuple(self.renderer.stop_token_ids(stops)))
-        parse_tools = bool(tools) and req.tool_choice != "none"
-        n = req.n or 1
-        if self.pending and self.pending + n > self.cfg.max_pending_requests:
-            raise OpenAIError(429, f"The gateway has {self.pending} generations pending (max_pending_requests="
-                              f"{self.cfg.max_pending_requests}); retry after {QUEUE_RETRY_AFTER_S} s.",
-                              type="rate_limit_error", code="queue_full",
-                              headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)})
-        self._add_pending(n)
-
-        loop = asyncio.get_running_loop()
-        feeds = tokens = None
-        if live is not None and getattr(self.backend, "streams_tokens", False):
-            feeds = [TextFeed(self.renderer.decode, stops, parse_tools) for _ in range(n)]
-            tokens = asyncio.Queue()  # (choice, start, ids) from the backend, then None when the turn is done
-        result = first = None
-        if session is not None:
-            # The turn is generated and recorded in a task of its own, which hands its outcome to a
-            # future of ours: a disconnect cancels this handler and that future, never the recording.
-            self.store.begin(session)
-            if live is not None:  # the stream names its response id before the turn is recorded
-                first = self.store.reserve(session, n)
-            result = loop.create_future()
-            job = loop.create_task(self._generate_and_record(session, base, prompt, env_ids, history, tools_key, n,
-                                                             params, stops, parse_tools, result, first, tokens))
-            self.jobs.setdefault(session.id, set()).add(job)
-        elif live is not None:  # nothing to record, but the handler writes while it generates
-            result = loop.create_task(self._generate_unrecorded(prompt, params, n, stops, parse_tools, tokens))
-        rid = (f"chatcmpl-{self._rid_prefix}{next(self._rids)}" if session is None
-               else f"chatcmpl-{session.id}-{first}" if first is not None else None)
-        if live is not None:
-            await live.open(request, rid, int(prompt.size), n)  # the client left: the live writes are no-ops
-        if tokens is not None:
-            result.add_done_callback(lambda _: tokens.put_nowait(None))
-            while (item := await tokens.get()) is not None:
-                i, start, ids = item
-                delta = feeds[i].add(start, ids)
-                if delta:
-                    await live.text(i, delta)
-        try:
-            if result is not None:
-                outs, indices = await result
-            else:  # nothing to record: generated right here (no task), and a disconnect loses nothing
-                try:
-                    outs, failed = await self._generate("", prompt, params, n, stops, parse_tools)
-                finally:
-                    self._add_pending(-n)
-                if failed is not None:
-                    raise failed
-                indices = []
-        except ValueError as exc:  # the backend refused the request
-            err = OpenAIError(400, f"The engine refused the request: {exc}", code="invalid_request")
-            if live is None:
-                raise err from None
-            await live.fail(err)
-            return None, []
-        except Exception as exc:  # the backend failed (no rollout worker, engine error): not the client's doing
-            err = OpenAIError(503, f"The policy backend could not generate: {exc}", type="server_error",
-                              code="backend_unavailable")
-            if live is None:
-                raise err from None
-            await live.fail(err)
-            return None, []
-
-        rid = rid or f"chatcmpl-{session.id}-{indices[0]}"
-        choices = []
-        for out in outs:
-            choice = {"message": out.message, "finish_reason": out.finish_reason}
-            if req.logprobs:
-                ids, lps = out.completion.output_ids, out.completion.logprobs
-                keep = ids.size - (1 if ids.size and int(ids[-1]) == self.renderer.eos_id else 0)
-                choice["logprobs"] = token_logprobs(self.tok, ids[:keep], lps[:keep])
-            choices.append(choice)
-        completion_tokens = sum(int(o.completion.output_ids.size) for o in outs)
-        resp = completion_response(rid, req.model, choices, int(prompt.size), completion_tokens)
-        # Rendered once this handler has handed its response to the transport (call_soon runs after the
-        # current step; lines keep their order): the line costs the loop, not this request's latency.
-        loop.call_soon(functools.partial(
-            self.log.info, "request", route="chat", model=req.model, routed_to="policy",
-            session=session.id if session is not None else "-", prompt_tokens=int(prompt.size),
-            completion_tokens=completion_tokens, n=n, stream=live is not None,
-            ms=round((time.monotonic() - t0) * 1000)))
-        if live is not None:
-            if feeds is not None:  # what the feeds have not sent yet
-                rest = [[feed.rest(o.message.get("content"))] for feed, o in zip(feeds, outs)]
-                if any(feed.mismatched for feed in feeds):
-                    self.metrics.inc("gateway.stream_mismatch")
-            else:  # a backend that cannot stream: the whole text now, cut where tokens end
-                rest = [self.renderer.text_pieces(o.completion.output_ids, o.message.get("content") or "")
-                        for o in outs]
-            await live.finish(resp, rest)
-        return resp, outs
-
-    def _add_pending(self, k: int) -> None:
-        self.pending += k
-        self.metrics.gauges["http.pending"] = self.pending
-
-    async def _generate(self, sid: str, prompt, params, n: int, stops, parse_tools,
-                        tokens: asyncio.Queue | None = None) -> tuple[list[_Out], BaseException | None]:
-        """The choices that came back, post-processed, and the first failure (None if all came back).
-        ``tokens``: a queue that gets (choice, start, ids) as the backend reports tokens."""
-        def kw(i: int) -> dict:
-            return {} if tokens is None else {"on_tokens": lambda start, ids: tokens.put_nowait((i, start, ids))}
-
-        if n == 1:  # the usual request: no gather, whose task per choice costs a loop iteration or two
-            try:
-                comps, failed = [await self.backend.generate(sid, prompt, params, **kw(0))], None
-            except Exception as exc:
-                comps, failed = [], exc
-        else:
-            results = await asyncio.gather(*(self.backend.generate(sid, prompt, params, **kw(i)) for i in range(n)),
-                                           return_exceptions=True)
-            comps = [r for r in results if not isinstance(r, BaseException)]
-            failed = next((r for r in results if isinstance(r, BaseException)), None)
-        return [self._postprocess(c, stops, parse_tools) for c in comps], failed
-
-    async def _generate_unrecorded(self, prompt, params, n: int, stops, parse_tools, tokens) -> tuple[list, list]:
-        """An admin call's streamed generation (nothing recorded): (outs, []) or its failure."""
-        try:
-            outs, failed = await self._generate("", prompt, params, n, stops, parse_tools, tokens)
-        finally:
-            self._add_pending(-n)
-        if failed is not None:
-            raise failed
-        return outs, []
-
-    async def _generate_and_record(self, session, base, prompt, env_ids, history, tools_key, n, params, stops,
-                                   parse_tools, result: asyncio.Future, first: int | None = None,
-                                   tokens: asyncio.Queue | None = None) -> None:
-        """Generate a session's turn and record it (at the reserved indices from ``first``, if any); the
-        outcome (outs, indices) or the failure goes to ``result`` unless the client left (then it is
-        dropped: the record is what mattered)."""
-        try:
-            outs, failed = await self._generate(session.id, prompt, params, n, stops, parse_tools, tokens)
-            indices = []
-            if outs:
-                choices = [Choice(o.completion, o.message, _closed(o.completion, self.renderer.eos_id),
-                                  (*history, canonical(o.message)), params.temperature) for o in outs]
-                indices = self.store.record(session, base, prompt, env_ids, tools_key, choices, first)
-            if failed is not None:
-                raise failed
-            if not result.done():
-                result.set_result((outs, indices))
-        except Exception as exc:  # handed to the handler, which answers with it
-            if not result.done():
-                result.set_exception(exc)
-        except BaseException:  # cancelled (the loop is closing): the handler must not wait forever
-            result.cancel()
-            raise
-        finally:
-            self._add_pending(-n)
-            self.store.finish(session)
-            jobs = self.jobs.get(session.id)
-            if jobs is not None:
-                jobs.discard(asyncio.current_task())
-
-    def _postprocess(self, comp, stops: list[str], parse_tools: bool) -> _Out:
-        ids = comp.output_ids
-        if stops:
-            keep, text, stopped = self.renderer.apply_stop(ids, stops)
-            if keep < ids.size:
-                comp = dataclasses.replace(comp, output_ids=ids[:keep], logprobs=comp.logprobs[:keep],
-                                           versions=comp.versions[:keep], finish_reason="stop")
-        else:
-            text, stopped = self.renderer.decode(ids), False
-        content, calls = parse_tool_calls(text) if parse_tools else (text, [])
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        finish = "tool_calls" if calls else "stop" if stopped else comp.finish_reason
-        return _Out(comp, message, finish)
-
     # -- models -----------------------------------------------------------------------------------
 
     def model_ids(self) -> list[str]:
@@ -540,60 +329,6 @@ class Gateway(RLRoutes):
                               param="model")
         return json_response(model_card(model))
 
-    # -- Anthropic --------------------------------------------------------------------------------
-
-    async def anthropic_messages(self, request: web.Request) -> web.StreamResponse:
-        t0 = time.monotonic()
-        try:
-            who = self._anthropic_principal(request)
-            body = await self.read_json(request)
-            who = self._anthropic_principal(request)
-            if not isinstance(body, dict):
-                raise anthropic_api.AnthropicError(400, "request body must be a JSON object")
-            oa = anthropic_api.to_openai_request(body)
-            model = oa["model"]
-            if model != self.cfg.policy_model:
-                resp = await self.routed(model, oa, t0)
-            else:
-                live = LiveStream(model, anthropic=True) if body.get("stream") else None
-                resp, _ = await self.complete(parse_chat_request(oa), who, t0, live, request)
-                if live is not None:
-                    return live.stream
-        except OpenAIError as err:
-            hint = " (Claude Code: set ANTHROPIC_MODEL to it)" if err.code == "model_not_found" else ""
-            raise anthropic_api.AnthropicError(err.status, err.message + hint, _reason(err), err.headers) from None
-        if body.get("stream"):
-            events = anthropic_api.stream_events(resp, model)
-            return await sse_reply(request, b"".join(anthropic_api.format_sse(e, d) for e, d in events))
-        return json_response(anthropic_api.from_openai_response(resp, model))
-
-    async def anthropic_count_tokens(self, request: web.Request) -> web.Response:
-        try:
-            self._anthropic_principal(request)
-            body = await self.read_json(request)
-            oa = anthropic_api.count_tokens_request(body)
-            req = parse_chat_request({**oa, "max_tokens": 1})
-            messages = [m.model_dump(exclude_none=True) for m in req.messages]
-            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            n = len(self.renderer.prompt_ids(messages, tools))
-        except ChatError as exc:
-            raise anthropic_api.AnthropicError(400, str(exc), "invalid_messages") from None
-        except OpenAIError as err:
-            raise anthropic_api.AnthropicError(err.status, err.message, _reason(err), err.headers) from None
-        return json_response(anthropic_api.count_tokens_response(n))
-
-    def _anthropic_principal(self, request: web.Request):
-        key = anthropic_api.api_key_from_headers(request.headers)
-        try:
-            return self.principal(request, key)
-        except OpenAIError as err:
-            if err.code == "invalid_api_key":
-                raise anthropic_api.invalid_api_key(key) from None
-            raise anthropic_api.AnthropicError(err.status, err.message, _reason(err)) from None
-
-
-def _closed(comp, eos_id: int) -> bool:
-    return comp.output_ids.size > 0 and int(comp.output_ids[-1]) == eos_id
 
 
 def make_app(cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, emit=None, admission=None,

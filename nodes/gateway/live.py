@@ -7,7 +7,7 @@ the gateway's final reply (the same ``resp`` a non-streamed request gets): the t
 tool calls, finish reason, usage. So the concatenated deltas always equal the final content, and a
 request served by a backend that cannot stream (or whose partial reports were dropped) is finished
 the same way, just in fewer, later pieces. The events themselves are built by
-``openai_api.StreamChunks`` and ``anthropic_api.StreamEvents``; ``LiveStream`` writes them.
+``openai_api.StreamChunks`` and ``anthropic_reply.StreamEvents``; ``LiveStream`` writes them.
 
 What a feed holds back until it is sure: an incomplete UTF-8 character (the decoder's U+FFFD), the
 end of the text that could be the beginning of a stop string or of a ``<tool_call>`` block, and with
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from nodes.gateway import anthropic_api
+from nodes.gateway import anthropic_api, anthropic_reply
 from nodes.gateway.chat import TOOL_OPEN
 from nodes.gateway.openai_api import SSE_DONE, OpenAIError, StreamChunks, sse
 from nodes.gateway.server import SSE_HEADERS
@@ -110,7 +110,7 @@ class LiveStream:
     def __init__(self, model: str, *, anthropic: bool = False, include_usage: bool = False):
         self.model, self.anthropic, self.include_usage = model, anthropic, include_usage
         self.stream: web.StreamResponse | None = None
-        self.events = anthropic_api.StreamEvents(model) if anthropic else None
+        self.events = anthropic_reply.StreamEvents(model) if anthropic else None
         self.chunks: StreamChunks | None = None
         self.gone = False
 
@@ -154,7 +154,7 @@ class LiveStream:
 
 
 def _events(events: list[tuple[str, dict]]) -> bytes:
-    return b"".join(anthropic_api.format_sse(e, d) for e, d in events)
+    return b"".join(anthropic_reply.format_sse(e, d) for e, d in events)
 
 
 def _chunks(chunks: list[dict]) -> bytes:

@@ -1,0 +1,78 @@
+"""The gateway's Anthropic Messages routes (Claude Code and the anthropic SDK):
+
+    POST /v1/messages              anthropic_messages      translated to an OpenAI request (anthropic_api),
+                                                           served by the policy or the router, answered
+                                                           as a Message or its events (anthropic_reply)
+    POST /v1/messages/count_tokens anthropic_count_tokens  the prompt's size under the policy's template
+
+Keys come from ``x-api-key`` or ``Authorization: Bearer`` and are checked like the OpenAI routes'; every
+failure is an ``AnthropicError`` in Anthropic's shape (a model that is not served says which setting
+picks it). ``AnthropicRoutes`` is a mixin of ``app.Gateway``, registered in ``make_app``; it holds no
+state and relies on the Gateway's ``cfg``, ``renderer``, ``principal``, ``read_json``, ``routed`` and
+``complete`` (``policy_chat``).
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from nodes.gateway import anthropic_api, anthropic_reply
+from nodes.gateway.chat import ChatError
+from nodes.gateway.live import LiveStream
+from nodes.gateway.openai_api import OpenAIError, parse_chat_request
+from nodes.gateway.server import _reason, json_response, sse_reply
+
+
+class AnthropicRoutes:
+    """The Anthropic Messages routes, served by the Gateway that mixes this class in."""
+
+    async def anthropic_messages(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.monotonic()
+        try:
+            who = self._anthropic_principal(request)
+            body = await self.read_json(request)
+            who = self._anthropic_principal(request)
+            if not isinstance(body, dict):
+                raise anthropic_api.AnthropicError(400, "request body must be a JSON object")
+            oa = anthropic_api.to_openai_request(body)
+            model = oa["model"]
+            if model != self.cfg.policy_model:
+                resp = await self.routed(model, oa, t0)
+            else:
+                live = LiveStream(model, anthropic=True) if body.get("stream") else None
+                resp, _ = await self.complete(parse_chat_request(oa), who, t0, live, request)
+                if live is not None:
+                    return live.stream
+        except OpenAIError as err:
+            hint = " (Claude Code: set ANTHROPIC_MODEL to it)" if err.code == "model_not_found" else ""
+            raise anthropic_api.AnthropicError(err.status, err.message + hint, _reason(err), err.headers) from None
+        if body.get("stream"):
+            events = anthropic_reply.stream_events(resp, model)
+            return await sse_reply(request, b"".join(anthropic_reply.format_sse(e, d) for e, d in events))
+        return json_response(anthropic_reply.from_openai_response(resp, model))
+
+    async def anthropic_count_tokens(self, request: web.Request) -> web.Response:
+        try:
+            self._anthropic_principal(request)
+            body = await self.read_json(request)
+            oa = anthropic_api.count_tokens_request(body)
+            req = parse_chat_request({**oa, "max_tokens": 1})
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            n = len(self.renderer.prompt_ids(messages, tools))
+        except ChatError as exc:
+            raise anthropic_api.AnthropicError(400, str(exc), "invalid_messages") from None
+        except OpenAIError as err:
+            raise anthropic_api.AnthropicError(err.status, err.message, _reason(err), err.headers) from None
+        return json_response(anthropic_api.count_tokens_response(n))
+
+    def _anthropic_principal(self, request: web.Request):
+        key = anthropic_api.api_key_from_headers(request.headers)
+        try:
+            return self.principal(request, key)
+        except OpenAIError as err:
+            if err.code == "invalid_api_key":
+                raise anthropic_api.invalid_api_key(key) from None
+            raise anthropic_api.AnthropicError(err.status, err.message, _reason(err)) from None
