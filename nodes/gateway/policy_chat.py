@@ -57,21 +57,7 @@ class PolicyChat:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         history = [canonical(m) for m in messages]
         tools_key = json.dumps(tools, sort_keys=True) if tools else ""
-        base = self.store.match(session, history, tools_key) if session is not None else None
-        try:
-            if base is not None:
-                env_ids = self.renderer.continuation_ids(messages[base.depth:], tools, base.closed)
-                prompt = np.concatenate([base.next_prompt(), np.asarray(env_ids, dtype=np.int32)])
-            else:
-                env_ids = None
-                prompt = np.asarray(self.renderer.prompt_ids(messages, tools), dtype=np.int32)
-        except ChatError as exc:
-            raise OpenAIError(400, str(exc), param=exc.param, code="invalid_messages") from None
-        if prompt.size >= self.max_context:
-            raise OpenAIError(400, f"This model's maximum context length is {self.max_context} tokens. However, "
-                              f"your messages resulted in {prompt.size} tokens"
-                              f"{' (the session so far included)' if base is not None else ''}. Please reduce "
-                              f"the length of the messages.", param="messages", code="context_length_exceeded")
+        base, env_ids, prompt = self._prompt(session, messages, tools, history, tools_key)
         room = self.max_context - int(prompt.size)
         wanted = req.max_completion_tokens or req.max_tokens or self.cfg.default_max_tokens or room
         stops = req.stops
@@ -81,12 +67,7 @@ class PolicyChat:
                                 stop_token_ids=tuple(self.renderer.stop_token_ids(stops)))
         parse_tools = bool(tools) and req.tool_choice != "none"
         n = req.n or 1
-        if self.pending and self.pending + n > self.cfg.max_pending_requests:
-            raise OpenAIError(429, f"The gateway has {self.pending} generations pending (max_pending_requests="
-                              f"{self.cfg.max_pending_requests}); retry after {QUEUE_RETRY_AFTER_S} s.",
-                              type="rate_limit_error", code="queue_full",
-                              headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)})
-        self._add_pending(n)
+        self._admit(n)
 
         loop = asyncio.get_running_loop()
         feeds = tokens = None
@@ -142,17 +123,8 @@ class PolicyChat:
             await live.fail(err)
             return None, []
 
-        rid = rid or f"chatcmpl-{session.id}-{indices[0]}"
-        choices = []
-        for out in outs:
-            choice = {"message": out.message, "finish_reason": out.finish_reason}
-            if req.logprobs:
-                ids, lps = out.completion.output_ids, out.completion.logprobs
-                keep = ids.size - (1 if ids.size and int(ids[-1]) == self.renderer.eos_id else 0)
-                choice["logprobs"] = token_logprobs(self.tok, ids[:keep], lps[:keep])
-            choices.append(choice)
-        completion_tokens = sum(int(o.completion.output_ids.size) for o in outs)
-        resp = completion_response(rid, req.model, choices, int(prompt.size), completion_tokens)
+        resp = self._response(req, rid or f"chatcmpl-{session.id}-{indices[0]}", outs, int(prompt.size))
+        completion_tokens = resp["usage"]["completion_tokens"]
         # Rendered once this handler has handed its response to the transport (call_soon runs after the
         # current step; lines keep their order): the line costs the loop, not this request's latency.
         loop.call_soon(functools.partial(
@@ -170,6 +142,51 @@ class PolicyChat:
                         for o in outs]
             await live.finish(resp, rest)
         return resp, outs
+
+    def _prompt(self, session: Session | None, messages: list[dict], tools: list[dict] | None, history: list,
+                tools_key: str):
+        """(base, env_ids, prompt): the prompt's token ids, refused with a 400 past the context. A
+        session's turn that continues an earlier one (``base``) reuses the tokens that turn was served
+        with and renders only what the environment added since (``env_ids``)."""
+        base = self.store.match(session, history, tools_key) if session is not None else None
+        try:
+            if base is not None:
+                env_ids = self.renderer.continuation_ids(messages[base.depth:], tools, base.closed)
+                prompt = np.concatenate([base.next_prompt(), np.asarray(env_ids, dtype=np.int32)])
+            else:
+                env_ids = None
+                prompt = np.asarray(self.renderer.prompt_ids(messages, tools), dtype=np.int32)
+        except ChatError as exc:
+            raise OpenAIError(400, str(exc), param=exc.param, code="invalid_messages") from None
+        if prompt.size >= self.max_context:
+            raise OpenAIError(400, f"This model's maximum context length is {self.max_context} tokens. However, "
+                              f"your messages resulted in {prompt.size} tokens"
+                              f"{' (the session so far included)' if base is not None else ''}. Please reduce "
+                              f"the length of the messages.", param="messages", code="context_length_exceeded")
+        return base, env_ids, prompt
+
+    def _response(self, req: ChatRequest, rid: str, outs: list[ChoiceOut], prompt_tokens: int) -> dict:
+        """The OpenAI chat.completion for the post-processed choices (logprobs without the eos token)."""
+        choices = []
+        for out in outs:
+            choice = {"message": out.message, "finish_reason": out.finish_reason}
+            if req.logprobs:
+                ids, lps = out.completion.output_ids, out.completion.logprobs
+                keep = ids.size - (1 if ids.size and int(ids[-1]) == self.renderer.eos_id else 0)
+                choice["logprobs"] = token_logprobs(self.tok, ids[:keep], lps[:keep])
+            choices.append(choice)
+        completion_tokens = sum(int(o.completion.output_ids.size) for o in outs)
+        return completion_response(rid, req.model, choices, prompt_tokens, completion_tokens)
+
+    def _admit(self, n: int) -> None:
+        """Count ``n`` choices as pending, or refuse them with a 429 past ``max_pending_requests`` (one
+        request is always admitted when nothing is pending, however large its ``n``)."""
+        if self.pending and self.pending + n > self.cfg.max_pending_requests:
+            raise OpenAIError(429, f"The gateway has {self.pending} generations pending (max_pending_requests="
+                              f"{self.cfg.max_pending_requests}); retry after {QUEUE_RETRY_AFTER_S} s.",
+                              type="rate_limit_error", code="queue_full",
+                              headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)})
+        self._add_pending(n)
 
     def _add_pending(self, k: int) -> None:
         self.pending += k
