@@ -32,12 +32,12 @@ their own, which a disconnect does not cancel (an admin call, with nothing to re
 its handler). Sessions idle longer than ``session_idle_timeout_s`` are
 ended by a sweeper; at shutdown every open session is ended (``end_reason`` "shutdown") and emitted.
 
-Here: the config, the Gateway (keys and bodies, session lifecycle, the OpenAI chat and model routes) and
-``make_app``. The Gateway is put together from mixins, one module each: ``policy_chat.PolicyChat`` serves a
-chat request with the policy (prompt, generation, recording, choice post-processing, the response),
-``anthropic_routes.AnthropicRoutes`` the Anthropic Messages routes, ``rl_routes.RLRoutes`` the /rl routes
-and /health. The HTTP plumbing (``json_response``, the error middleware, ``start_server``) is in
-``server``, its public names re-exported here.
+Here: the Gateway (keys and bodies, session lifecycle, the OpenAI chat and model routes) and ``make_app``;
+its config, ``GatewayConfig``, is in areal_bus/node_configs.py. The Gateway is put together from mixins,
+one module each: ``policy_chat.PolicyChat`` serves a chat request with the policy (prompt, generation,
+recording, choice post-processing, the response), ``anthropic_routes.AnthropicRoutes`` the Anthropic
+Messages routes, ``rl_routes.RLRoutes`` the /rl routes and /health. The HTTP plumbing (``json_response``,
+the error middleware, ``start_server``) is in ``server``, its public names re-exported here.
 
 Build and serve (the gateway node's ``run`` does this with the bus backend)::
 
