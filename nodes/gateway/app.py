@@ -57,9 +57,9 @@ import time
 import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from areal_bus.metrics import Metrics
+from areal_bus.node_configs import GatewayConfig
 from nodes.gateway.anthropic_routes import AnthropicRoutes
 from nodes.gateway.backend import Backend
 from nodes.gateway.chat import ChatRenderer
@@ -88,41 +88,6 @@ KEY_HELP = ("Check: is the environment variable holding the key set in this shel
             "$AREAL_BUS_ADMIN_TOKEN of the shell that started the gateway.")
 
 
-class GatewayConfig(BaseModel):
-    """The gateway node's settings (``nodes.gateway.config`` in the topology)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    host: str = Field("127.0.0.1", description="Address to listen on; loopback by default (0.0.0.0 exposes it).")
-    port: int = Field(9000, ge=0, le=65535, description="TCP port; 0 picks a free one (tests).")
-    admin_token: str = Field(min_length=8, description="Token for opening sessions and for unrecorded calls. "
-                             "Write ${AREAL_BUS_ADMIN_TOKEN} in the topology, never a literal.")
-    policy_model: str = Field("policy", min_length=1, description="The model id agents send for the policy "
-                              "being trained; any other id goes to the router (or is a 404).")
-    max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="Largest request body; larger is a 413.")
-    max_sessions: int = Field(1000, ge=1, le=1_000_000, description="Open sessions at most; past it "
-                              "POST /rl/sessions is a 429 until some end or expire.")
-    session_idle_timeout_s: float = Field(300.0, gt=0, le=7 * 86400, description="A session with no request "
-                                          "for this long is ended (its trajectory emitted as it stands).")
-    max_context_tokens: int | None = Field(None, ge=2, description="Prompt + output tokens per sequence (the "
-                                           "engine's max_len). None: ask the backend (max_context_tokens).")
-    default_max_tokens: int | None = Field(None, ge=1, description="Completion budget when a request names "
-                                           "none. None: the rest of the context, as OpenAI's API does.")
-    max_pending_requests: int = Field(2048, ge=1, le=1_000_000, description="Policy generations (choices) "
-                                      "waiting on or running in the backend at most; past it a chat request is a "
-                                      "429 with Retry-After instead of a queue that grows with the load.")
-
-    @field_validator("admin_token")
-    @classmethod
-    def _token(cls, v: str) -> str:
-        if "${" in v:
-            raise ValueError("looks like an unexpanded ${VAR}: export the variable in the shell that renders "
-                             "and starts the run")
-        if v != v.strip():
-            raise ValueError("has leading or trailing whitespace (a newline from a file?); strip it")
-        return v
-
-
 _ENDED_WHY = {"idle": "idle for longer than session_idle_timeout_s", "ended": "ended by POST /rl/sessions/{id}/end",
               "shutdown": "the gateway shut down"}
 
@@ -133,6 +98,9 @@ class Gateway(PolicyChat, AnthropicRoutes, RLRoutes):
 
     def __init__(self, cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, emit=None,
                  admission=None, log=None, metrics=None):
+        if not cfg.admin_token:
+            raise ValueError("nodes.gateway.config.admin_token is not set: export AREAL_BUS_ADMIN_TOKEN (8+ "
+                             "characters) in the shell that starts the run, and write ${AREAL_BUS_ADMIN_TOKEN}")
         self.cfg = cfg
         self.backend = backend
         self.tok = tokenizer
