@@ -381,8 +381,11 @@ def token_logprobs(model: CausalLM, input_ids: torch.Tensor, attention_mask: tor
     """Per-token log-probabilities [B, T], aligned with ``input_ids``: ``out[b, t]`` is
     log p(input_ids[b, t] | input_ids[b, :t]), as the rollout engine recorded it when it sampled that
     token with ``temperature`` (a float, or one per row). ``out[:, 0]`` and padding positions are 0.
-    Differentiable: the trainer uses it for both the proximal recompute and the PPO ratio."""
-    logits = model(input_ids, attention_mask=attention_mask)
+    Differentiable. ``model`` is this module's CausalLM or a transformers causal LM (the trainer's)."""
+    if isinstance(model, CausalLM):
+        logits = model(input_ids, attention_mask=attention_mask)
+    else:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     if isinstance(temperature, torch.Tensor):
         temperature = temperature.to(logits.device)
     lp = logprobs_of(logits[:, :-1], input_ids[:, 1:], temperature)

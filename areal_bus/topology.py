@@ -114,8 +114,10 @@ class ModelSpec(_Strict):
                       "config.json, *.safetensors, tokenizer files). Relative to the supervisord.conf's folder. "
                       "Must exist for the torch and vllm engines and for a gateway (`areal-bus validate` checks); "
                       "build the project's tiny one with `python scripts/warmstart.py --out PATH`.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype for "
-                                                             "training and generation.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Generation weights dtype, and "
+                                                             "the trainer's compute dtype (autocast): the trainer "
+                                                             "keeps float32 master weights and AdamW state whatever "
+                                                             "this is, so an lr 1e-6 update is not rounded away.")
     device: str = Field("cpu", description="torch device for the rollout and trainer engines ('cpu', 'cuda', 'cuda:1').")
     trainer_device: str | None = Field(None, description="torch device for the trainer when it is not model.device: "
                                        "e.g. rollout on 'cuda:0' (device) and the trainer on 'cuda:1'. With "
@@ -146,6 +148,19 @@ class RolloutEngineConfig(_Strict):
 class TrainerEngineConfig(_Strict):
     kind: Literal["sim", "torch"] = Field("sim", description="Training engine. 'sim' models time per token; "
                                           "'torch' trains model.path with the decoupled PPO objective.")
+    attn_implementation: str = Field("auto", min_length=1, description="torch: transformers' attention for the "
+                                     "trainer's packed rows. 'auto': 'areal_varlen' (FlashAttention varlen, within "
+                                     "each sample) on CUDA, 'sdpa' (a block-diagonal mask) on CPU; or any name "
+                                     "transformers knows ('flex_attention', 'flash_attention_2', ...).")
+    micro_batch_tokens: int = Field(16384, ge=16, le=10_000_000, description="torch: tokens packed into one "
+                                    "forward and backward (gradients accumulate over a mini-batch's micro-batches). "
+                                    "A longer sample gets one of its own. With parallelism.dp > 1 each rank packs "
+                                    "its share of a mini-batch into one (every rank must run as many as the others).")
+    logit_chunk_tokens: int = Field(4096, ge=16, le=1_000_000, description="torch: positions whose logits exist at "
+                                    "once; the lm_head runs chunk by chunk under checkpointing, so no [tokens, "
+                                    "vocab] float32 tensor is ever whole.")
+    gradient_checkpointing: bool = Field(False, description="torch: recompute each decoder layer's activations in "
+                                         "backward (less memory, ~1/3 more compute).")
     eps_clip: float = Field(0.2, gt=0, le=1, description="PPO clip range (low side, and high side unless eps_clip_high).")
     eps_clip_high: float | None = Field(None, gt=0, le=10, description="PPO clip range on the high side (DAPO's clip-higher).")
     behav_imp_weight_cap: float | None = Field(5.0, gt=1, description="Tokens whose behaviour importance weight "

@@ -32,24 +32,83 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from areal_bus.modeling import as_dtype, logprobs_of, scaled_logits
+
+VARLEN = "areal_varlen"
+"""The attention implementation the trainer registers with transformers: causal attention within each
+packed sample, from the samples' cumulative lengths. On CUDA it is torch's FlashAttention varlen kernel
+(``torch.nn.attention.varlen``), which touches only the diagonal blocks; on CPU a loop of causal SDPA
+per sample. transformers' own packed path (sdpa with position ids) builds an [N, N] mask and computes
+every block of it: at 16k tokens of ~500-token samples that is 30x the attention work."""
 
 LOGIT_CHUNK_TOKENS = 4096
 """Positions whose logits exist at once: 4096 x 152k vocabulary x 4 bytes = 2.5 GB at Qwen2's
 vocabulary, a small share of a GPU, while still one large matmul per chunk."""
 
 
-def load_policy(path: str | Path, device: str | torch.device = "cpu", *, attn_implementation: str = "sdpa",
+def _varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-function signature: query [1, Hq, N, D], key/value [1, Hkv, N, D]; returns
+    ([1, N, Hq, D], None). The samples' boundaries come as ``cu_seq_lens_q`` (FlashAttention's kwargs)."""
+    cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if cu is None and attention_mask is None:  # unpacked rows without padding: each row is one sample
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                               enable_gqa=True)
+        return out.transpose(1, 2), None
+    if cu is None or query.shape[0] != 1:
+        raise ValueError(f"attn_implementation {VARLEN!r} runs packed rows (one row, cu_seq_lens_q given) or "
+                         f"unpadded ones; padded rows need 'sdpa'")
+    if getattr(module, "sliding_window", None):
+        raise ValueError(f"attn_implementation {VARLEN!r} has no sliding window; use 'sdpa' for this model")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
+    if q.is_cuda:
+        out = _cuda_varlen(q, k, v, cu, int(longest), scaling)
+    else:
+        parts = []
+        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True,
+                scale=scaling, enable_gqa=True)
+            parts.append(o.transpose(0, 1))
+        out = torch.cat(parts)
+    return out[None], None
+
+
+def _cuda_varlen(q, k, v, cu, longest: int, scaling):
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    if "enable_gqa" in params:
+        extra = {"enable_gqa": True}
+    else:  # older torch: one kv head per query head
+        rep = q.shape[1] // k.shape[1]
+        k, v, extra = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), {}
+    extra.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+    # FlashAttention takes bf16/fp16 only; under autocast RoPE hands q and k back in float32.
+    half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
+    q, k, v = (t.to(half) for t in (q, k, v))
+    cu = cu.to(torch.int32)
+    return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **extra)
+
+
+def _register_varlen() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN, _varlen_attention)
+
+
+def load_policy(path: str | Path, device: str | torch.device = "cpu", *, attn_implementation: str = VARLEN,
                 gradient_checkpointing: bool = False):
     """The policy to train: float32 master weights from a local Hugging Face folder (config.json and
     safetensors), on ``device``. Raises with the folder's name when transformers cannot build it."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
+    _register_varlen()
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation,
                                                      local_files_only=True)
@@ -58,7 +117,6 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", *, attn_im
     model.to(device)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False  # training: a cache would also switch off the packed-sequence mask
     return model
 
 
@@ -70,13 +128,27 @@ def autocast(device: torch.device, compute_dtype: torch.dtype | str):
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
-def export_state_dict(model, dtype: torch.dtype | str) -> dict[str, torch.Tensor]:
+def export_state_dict(state_dict: dict[str, torch.Tensor], config, dtype: torch.dtype | str) -> dict[str, torch.Tensor]:
     """The weights rollout serves, in its dtype: Hugging Face names, a tied lm_head left out (the
     rollout model ties it to the embedding itself)."""
     dtype = as_dtype(dtype)
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    return {k: v.detach().to(dtype) for k, v in model.state_dict().items()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return {k: v.detach().to(dtype) for k, v in state_dict.items()
             if not (tied and k == "lm_head.weight") and not k.endswith("rotary_emb.inv_freq")}
+
+
+def save_weights(config, state_dict: dict[str, torch.Tensor], folder: str | Path) -> None:
+    """A Hugging Face folder (config.json + model.safetensors, float32) from full weights: what
+    ``AutoModelForCausalLM.from_pretrained`` and the rollout engines load. Takes the gathered weights
+    of a sharded model too, which ``save_pretrained`` cannot."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    tensors = export_state_dict(state_dict, config, torch.float32)
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
 
 
 # -- packing ----------------------------------------------------------------------------------
@@ -106,12 +178,12 @@ class Packed:
 
 def pack(samples: list[dict], max_tokens: int) -> list[Packed]:
     """Micro-batches of at most ``max_tokens`` tokens (a longer sample gets one of its own), in the
-    samples' order. Each sample is a dict of numpy arrays: ``ids`` (prompt + output), ``mask``,
-    ``behav`` and a scalar ``adv``, each array as long as ``ids``."""
+    samples' order. Each sample is a dict of 1-D arrays (numpy or torch) as long as its tokens: ``ids``
+    (prompt + output), ``mask`` (loss weight), ``behav`` (the sampler's logprobs), ``adv``."""
     groups: list[list[int]] = []
     used = 0
     for i, s in enumerate(samples):
-        n = int(s["ids"].size)
+        n = len(s["ids"])
         if not groups or used + n > max_tokens:
             groups.append([])
             used = 0
@@ -120,18 +192,24 @@ def pack(samples: list[dict], max_tokens: int) -> list[Packed]:
     return [_pack_group(samples, g) for g in groups]
 
 
+def pack_rows(data: dict[str, torch.Tensor], rows: torch.Tensor, max_tokens: int) -> list[Packed]:
+    """``pack`` over rows of a right-padded batch (``ids``, ``attn``, ``mask``, ``behav``, ``adv``, [B, T]):
+    each row's tokens up to its length."""
+    lengths = data["attn"][rows].sum(1).tolist()
+    samples = [{k: data[k][r, :n] for k in ("ids", "mask", "behav", "adv")} for r, n in zip(rows.tolist(), lengths)]
+    return pack(samples, max_tokens)
+
+
 def _pack_group(samples: list[dict], idx: list[int]) -> Packed:
     rows, start = [], 0
     for i in idx:
-        n = int(samples[i]["ids"].size)
+        n = len(samples[i]["ids"])
         rows.append((i, start, n))
         start += n
-    cat = lambda key, dtype: torch.from_numpy(np.concatenate([np.asarray(samples[i][key], dtype) for i in idx]))
-    adv = torch.from_numpy(np.concatenate([np.full(samples[i]["ids"].size, samples[i]["adv"], np.float32)
-                                           for i in idx]))
-    positions = torch.from_numpy(np.concatenate([np.arange(samples[i]["ids"].size) for i in idx]))
-    return Packed(cat("ids", np.int64)[None], positions[None], cat("mask", np.float32), cat("behav", np.float32),
-                  adv, rows)
+    cat = lambda key, dtype: torch.cat([torch.as_tensor(samples[i][key]).to(dtype) for i in idx])
+    positions = torch.cat([torch.arange(len(samples[i]["ids"])) for i in idx])
+    return Packed(cat("ids", torch.long)[None], positions[None], cat("mask", torch.float32),
+                  cat("behav", torch.float32), cat("adv", torch.float32), rows)
 
 
 # -- log-probabilities ------------------------------------------------------------------------
@@ -150,48 +228,64 @@ def _head_entropy(hidden, weight, bias, softcap, temperature) -> torch.Tensor:
     return torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
 
 
+class PackedLM(torch.nn.Module):
+    """A transformers causal LM (``lm``) whose forward is the packed log-probabilities. It is the module
+    the trainer calls, so a sharding wrapper put on it (FSDP2's root unit) gathers the embedding, the
+    final norm and the lm_head for the whole computation, the chunked head included."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    @property
+    def config(self):
+        return self.lm.config
+
+    def forward(self, ids, positions, cu, longest: int, temperature, chunk: int, entropy: bool):
+        lm = self.lm
+        decoder = getattr(lm, lm.base_model_prefix)
+        hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                         max_length_q=longest, max_length_k=longest).last_hidden_state[0]
+        head = lm.get_output_embeddings()
+        softcap = getattr(lm.config, "final_logit_softcapping", None)
+        targets = ids[0, 1:]
+        h = hidden[:-1]
+        parts, ents = [], []
+        for s in range(0, h.shape[0], chunk):
+            args = (h[s:s + chunk], targets[s:s + chunk], head.weight, head.bias, softcap, temperature)
+            if torch.is_grad_enabled():
+                parts.append(checkpoint(_head_logprobs, *args, use_reentrant=False))
+            else:
+                parts.append(_head_logprobs(*args))
+            if entropy:
+                with torch.no_grad():
+                    ents.append(_head_entropy(h[s:s + chunk], head.weight, head.bias, softcap, temperature))
+        zero = hidden.new_zeros(1, dtype=torch.float32)
+        starts = positions[0] == 0
+        lp = torch.cat([zero, *parts]).masked_fill(starts, 0.0)
+        ent = torch.cat([zero, *ents]).masked_fill(starts, 0.0) if entropy else None
+        return lp, ent
+
+
 def packed_logprobs(model, packed: Packed, temperature: float = 1.0, *, chunk: int = LOGIT_CHUNK_TOKENS,
                     entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """([N] log p(ids[t] | the sample's tokens before t), [N] entropy of that distribution or None).
 
-    Entry t is 0 where token t starts a sample (nothing predicts it). Differentiable in the model's
-    parameters; the logits of one chunk of positions exist at a time, and are recomputed in backward
-    (checkpointing) instead of kept."""
-    decoder = getattr(model, model.base_model_prefix)
-    hidden = decoder(input_ids=packed.ids, position_ids=packed.positions, use_cache=False).last_hidden_state[0]
-    head = model.get_output_embeddings()
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    targets = packed.ids[0, 1:]
-    h = hidden[:-1]
-    parts, ents = [], []
-    for s in range(0, h.shape[0], chunk):
-        args = (h[s:s + chunk], targets[s:s + chunk], head.weight, head.bias, softcap, temperature)
-        if torch.is_grad_enabled():
-            parts.append(checkpoint(_head_logprobs, *args, use_reentrant=False))
-        else:
-            parts.append(_head_logprobs(*args))
-        if entropy:
-            with torch.no_grad():
-                ents.append(_head_entropy(h[s:s + chunk], head.weight, head.bias, softcap, temperature))
-    zero = hidden.new_zeros(1, dtype=torch.float32)
-    starts = packed.positions[0] == 0
-    lp = torch.cat([zero, *parts]).masked_fill(starts, 0.0)
-    ent = torch.cat([zero, *ents]).masked_fill(starts, 0.0) if entropy else None
-    return lp, ent
+    ``model``: a PackedLM, or a transformers causal LM. Entry t is 0 where token t starts a sample
+    (nothing predicts it). Differentiable in the model's parameters; the logits of one chunk of
+    positions exist at a time, and are recomputed in backward (checkpointing) instead of kept."""
+    lengths = torch.tensor([0] + [n for _, _, n in packed.rows])
+    cu = lengths.cumsum(0).to(device=packed.ids.device, dtype=torch.int32)
+    policy = model if isinstance(model, PackedLM) else PackedLM(model)
+    return policy(packed.ids, packed.positions, cu, int(lengths.max()), temperature, chunk, entropy)
 
 
-def count_params(model) -> int:
-    """Parameters counted once (a tied lm_head is the embedding)."""
-    return sum(p.numel() for p in model.parameters())
-
-
-def train_flops(model, tokens: int, seq_sq_sum: int, recompute: bool = True) -> float:
-    """FLOPs of one update over ``tokens`` tokens: 6 N per token for forward and backward of the
-    matmuls (N = parameters, the tied embedding counted once as the lm_head matmul), plus attention's
-    12 * layers * hidden * sum(len^2) / 2 (causal), plus 2 N per token for the proximal forward when
-    ``recompute``. Activation checkpointing's extra forward is not counted (MFU counts useful work)."""
-    cfg = model.config
-    n = count_params(model)
-    attn = 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_sq_sum / 2
-    fwd = 2 * n * tokens + attn / 3
+def train_flops(n_params: int, layers: int, hidden: int, tokens: int, seq_sq_sum: int,
+                recompute: bool = True) -> float:
+    """FLOPs of one update over ``tokens`` real tokens: 6 N per token for forward and backward of the
+    matmuls (N = parameters, a tied embedding counted once, as the lm_head matmul), causal attention's
+    2 x layers x hidden x sum(len^2) per forward (x3 with backward), and one more forward for the
+    proximal log-probabilities when ``recompute``. Activation checkpointing's extra forward is not
+    counted: MFU counts useful work."""
+    fwd = 2 * n_params * tokens + 2 * layers * hidden * seq_sq_sum
     return 3 * fwd + (fwd if recompute else 0.0)

@@ -44,7 +44,7 @@ def _samples(rng, lengths, vocab=96) -> list[dict]:
         prompt = n // 3
         mask = np.r_[np.zeros(prompt), np.ones(n - prompt)].astype(np.float32)
         out.append({"ids": rng.integers(3, vocab, n), "mask": mask, "behav": -np.ones(n, np.float32) * mask,
-                    "adv": float(rng.standard_normal())})
+                    "adv": np.full(n, rng.standard_normal(), np.float32) * mask})
     return out
 
 
@@ -57,7 +57,7 @@ def _unpacked_logprobs(model, ids: np.ndarray) -> torch.Tensor:
 @pytest.mark.parametrize("kind", sorted(ARCHITECTURES))
 def test_each_architecture_packs_trains_and_reloads(kind, tmp_path):
     _save_random(kind, tmp_path / "start")
-    model = load_policy(tmp_path / "start")
+    model = load_policy(tmp_path / "start")  # the trainer's own varlen attention
     assert next(model.parameters()).dtype == torch.float32
     samples = _samples(np.random.default_rng(1), [11, 7, 19])
     (packed,) = pack(samples, max_tokens=64)
@@ -76,6 +76,15 @@ def test_each_architecture_packs_trains_and_reloads(kind, tmp_path):
     again = load_policy(tmp_path / "ckpt")
     with torch.no_grad():
         torch.testing.assert_close(packed_logprobs(again, packed)[0], after.detach(), atol=1e-6, rtol=1e-6)
+
+
+def test_transformers_sdpa_packed_path_agrees_with_the_varlen_attention(tmp_path):
+    _save_random("qwen3", tmp_path / "m")
+    (packed,) = pack(_samples(np.random.default_rng(5), [13, 21, 9]), max_tokens=64)
+    with torch.no_grad():
+        ours = packed_logprobs(load_policy(tmp_path / "m"), packed)[0]
+        theirs = packed_logprobs(load_policy(tmp_path / "m", attn_implementation="sdpa"), packed)[0]
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-5)
 
 
 def test_packing_caps_micro_batches_and_keeps_order():
@@ -130,6 +139,39 @@ def test_fp32_master_weights_keep_an_lr_1e6_update_that_pure_bf16_loses(tmp_path
 
 def test_exported_weights_drop_a_tied_head_and_take_the_rollout_dtype(tmp_path):
     _save_random("qwen2", tmp_path / "m")
-    sd = export_state_dict(load_policy(tmp_path / "m"), "bfloat16")
+    model = load_policy(tmp_path / "m")
+    sd = export_state_dict(model.state_dict(), model.config, "bfloat16")
     assert "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd
     assert {v.dtype for v in sd.values()} == {torch.bfloat16}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_varlen_packing_matches_one_by_one_in_bf16_with_its_gradients(tmp_path):
+    import transformers
+
+    cfg = transformers.Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    samples = _samples(np.random.default_rng(6), [300, 17, 1000, 64], vocab=512)
+    (packed,) = pack(samples, max_tokens=4096)
+    packed = packed.to("cuda")
+    dev = torch.device("cuda")
+    ours = load_policy(tmp_path / "m", dev)  # FlashAttention varlen
+    theirs = load_policy(tmp_path / "m", dev, attn_implementation="sdpa")
+    with autocast(dev, torch.bfloat16):
+        lp, _ = packed_logprobs(ours, packed, chunk=256)
+    (lp * packed.mask).sum().backward()
+    for i, start, n in packed.rows:
+        x = torch.as_tensor(samples[i]["ids"], device=dev)[None]
+        with autocast(dev, torch.bfloat16):
+            logits = theirs(input_ids=x, use_cache=False).logits
+        one = torch.cat([torch.zeros(1, device=dev), logprobs_of(logits[0, :-1], x[0, 1:])])
+        (one * packed.mask[start:start + n]).sum().backward()
+        torch.testing.assert_close(lp[start:start + n].detach(), one.detach(), atol=0.05, rtol=0.02)
+    g_ours = ours.model.layers[0].self_attn.q_proj.weight.grad
+    g_theirs = theirs.model.layers[0].self_attn.q_proj.weight.grad
+    cos = torch.nn.functional.cosine_similarity(g_ours.flatten(), g_theirs.flatten(), dim=0)
+    assert float(cos) > 0.99

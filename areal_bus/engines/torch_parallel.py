@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from areal_bus.engines.torch_dp import _CMD_STOP, _CMD_TRAIN, DataParallel, _watch_parent
 from areal_bus.engines.torch_train import TorchTrainEngine
-from areal_bus.modeling import CausalLM, ModelConfig, save_state_dict
+from areal_bus.train_model import PackedLM, save_weights
 
 CMD_WEIGHTS, CMD_OPTIMIZER, CMD_LOAD_OPTIMIZER = 2, 3, 4
 """Rank 0's commands besides train and stop: gather the full weights / AdamW's full state; load
@@ -65,7 +65,7 @@ _TP_PLAN = {"self_attn.q_proj": "col", "self_attn.k_proj": "col", "self_attn.v_p
 # ---------------------------------------------------------------------------------------------
 
 
-def check_tp(cfg: ModelConfig, tp: int, model: str = "the model") -> None:
+def check_tp(cfg, tp: int, model: str = "the model") -> None:
     """Tensor parallelism splits attention heads, kv heads and the MLP's channels evenly: refuse a tp
     that does not divide all three, naming the ones that would work."""
     sizes = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
@@ -103,24 +103,25 @@ def make_mesh(dp: int, tp: int, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def parallelize(model: CausalLM, mesh: DeviceMesh, reshard_after_forward: bool = True) -> CausalLM:
-    """Shard ``model`` in place over ``mesh`` ("dp", "tp"): tensor parallel first, then FSDP2
-    (``reshard_after_forward``: parallelism.reshard_after_forward)."""
+def parallelize(policy: PackedLM, mesh: DeviceMesh, reshard_after_forward: bool = True) -> PackedLM:
+    """Shard ``policy`` (the transformers model inside a PackedLM) in place over ``mesh`` ("dp", "tp"):
+    tensor parallel first, then FSDP2 (``reshard_after_forward``: parallelism.reshard_after_forward)."""
     dp, tp = mesh["dp"].size(), mesh["tp"].size()
+    layers = getattr(policy.lm, policy.lm.base_model_prefix).layers
     if tp > 1:
-        check_tp(model.cfg, tp)
+        check_tp(policy.config, tp)
         plan = {name: ColwiseParallel() if kind == "col" else RowwiseParallel() for name, kind in _TP_PLAN.items()}
-        for layer in model.model.layers:
+        for layer in layers:
+            # The projections then yield this rank's heads only; transformers' attention infers the
+            # head count from head_dim, so nothing else changes.
             parallelize_module(layer, mesh["tp"], plan)
-            # The projections now yield this rank's heads only; the attention reshapes by these counts.
-            layer.self_attn.n_heads //= tp
-            layer.self_attn.n_kv //= tp
     if dp > 1:
-        for layer in model.model.layers:
+        for layer in layers:
             fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
-        # The root's parameters (embedding, lm_head) are needed again at once by backward: keep them.
-        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
-    return model
+        # The root (embedding, final norm, lm_head): PackedLM's forward runs the chunked head too, so
+        # its unit gathers them for the whole computation; needed again at once by backward: kept.
+        fully_shard(policy, mesh=mesh["dp"], reshard_after_forward=False)
+    return policy
 
 
 def clip_grad_norm_(params, max_norm: float) -> float:
@@ -206,9 +207,9 @@ class ParallelTrainEngine(TorchTrainEngine):
         super().__init__(topo, model_path, publisher=publisher, dp=group, device=device)
         self._step_one_by_one()
 
-    def _prepare_model(self, model):
-        check_tp(model.cfg, self.tp_size, f"model.path {self.model_path}")
-        return parallelize(model, self.mesh, getattr(self.parallelism, "reshard_after_forward", True))
+    def _prepare_model(self, policy):
+        check_tp(policy.config, self.tp_size, f"model.path {self.model_path}")
+        return parallelize(policy, self.mesh, getattr(self.parallelism, "reshard_after_forward", True))
 
     def _step_one_by_one(self) -> None:
         # With tp the layers' projections are DTensors beside tensors of another kind (plain, or on the
@@ -274,7 +275,7 @@ class ParallelTrainEngine(TorchTrainEngine):
         return {"state": state, "param_groups": groups} if keep else None
 
     def _save_weights(self, folder: Path) -> None:
-        save_state_dict(self.model.cfg, self.state_dict(), folder)
+        save_weights(self.model.config, self.state_dict(), folder)
 
     def load_optimizer(self, folder: Path) -> None:
         """Every rank loads ``folder``/optimizer.pt, on rank 0's word: the folder the ranks started
@@ -308,7 +309,10 @@ class ParallelTrainEngine(TorchTrainEngine):
 def start(topo, topology_path: str | Path, model_path: str | Path, publisher=None) -> ParallelTrainEngine:
     """Rank 0 (the trainer node): check the layout against the model, start ranks 1..N-1, and build
     this rank's engine."""
-    check_tp(ModelConfig.from_hf(model_path), topo.parallelism.tp, f"model.path {model_path}")
+    from transformers import AutoConfig
+
+    check_tp(AutoConfig.from_pretrained(model_path, local_files_only=True), topo.parallelism.tp,
+             f"model.path {model_path}")
     group = RankGroup.launch(topo.train_workers, str(topology_path), str(model_path), backend_for(topo.trainer_device))
     return ParallelTrainEngine(topo, model_path, group=group, publisher=publisher)
 

@@ -1,11 +1,17 @@
-"""The real trainer engine: staleness-aware PPO on a Qwen2/Llama checkpoint, in plain torch.
+"""The real trainer engine: staleness-aware PPO on any Hugging Face causal LM, in plain torch.
 
-One ``train(batch, version)`` is one policy update (one version):
+The policy is transformers' own model class for the checkpoint (``areal_bus.train_model``): float32
+master weights and AdamW state, compute in ``model.dtype`` under autocast. One ``train(batch,
+version)`` is one policy update (one version):
   1. GRPO advantages per trajectory from its reward and its group (the n samples of one task instance);
-  2. the batch is padded into [B, T] tensors: prompt + output tokens, with the loss mask (policy tokens
-     only: prompt and environment tokens are 0), the behaviour log-probabilities the engine recorded;
-  3. proximal log-probabilities are recomputed once, with the weights as they stand before this update;
-  4. ``ppo_epochs`` passes of mini-batch steps of ``decoupled_ppo_loss`` (AdamW, gradient clipping).
+  2. the batch is right-padded into [B, T] tensors (prompt + output tokens, the loss mask: policy tokens
+     only, the behaviour log-probabilities the engine recorded): the form the parallel ranks receive;
+  3. each mini-batch's rows (this rank's share) are packed without padding into micro-batches of at most
+     ``micro_batch_tokens`` tokens;
+  4. proximal log-probabilities are recomputed once, with the weights as they stand before this update
+     (the entropy of the policy is logged from the same pass);
+  5. ``ppo_epochs`` passes of mini-batch steps of ``decoupled_ppo_loss``, gradients accumulated over the
+     micro-batches, each weighted by its share of the mini-batch's tokens (AdamW, gradient clipping).
 
 Checkpoints are ordinary Hugging Face folders (config.json + model.safetensors + the tokenizer files
 copied from the start checkpoint), plus ``trainer_state.json`` (version, consumed trajectory ids) and
@@ -27,7 +33,9 @@ import torch
 
 from areal_bus.loss import decoupled_ppo_loss, grpo_advantages, kl_penalty, masked_mean
 from areal_bus.messages import Trajectory
-from areal_bus.modeling import as_dtype, load_pretrained, save_pretrained, token_logprobs
+from areal_bus.modeling import as_dtype
+from areal_bus.train_model import (PackedLM, autocast, export_state_dict, load_policy, pack_rows, packed_logprobs,
+                                   save_weights)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "vocab.json", "merges.txt", "chat_template.jinja")
@@ -65,13 +73,18 @@ class TorchTrainEngine:
         self.device = torch.device(device or topo.trainer_device)
         self.dtype = as_dtype(topo.model.dtype)
         torch.manual_seed(topo.model.seed)
-        self.model = self._prepare_model(
-            load_pretrained(self.model_path, self.device, self.dtype).train().requires_grad_(True))
-        self.ref = None
-        if cfg.kl_coef > 0:
-            self.ref = load_pretrained(self.model_path, self.device, self.dtype).eval().requires_grad_(False)
+        attn = cfg.attn_implementation
+        if attn == "auto":
+            attn = "areal_varlen" if self.device.type == "cuda" else "sdpa"
+        load = lambda: load_policy(self.model_path, self.device, attn_implementation=attn,
+                                   gradient_checkpointing=cfg.gradient_checkpointing)
+        # What the update calls (a parallel layout shards it); ``model`` is the transformers model inside.
+        self.policy = self._prepare_model(PackedLM(load().train().requires_grad_(True)))
+        self.model = self.policy.lm
+        self.ref = load().eval().requires_grad_(False) if cfg.kl_coef > 0 else None
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=topo.learning_rate, betas=(0.9, 0.999),
                                      weight_decay=0.0)
+        self.micro_tokens = cfg.micro_batch_tokens
         self.temperature = topo.rollout_engine.temperature
         self.mini_batch = topo.mini_batch_size
         self.publisher = publisher  # train_engine.WeightPublisher: the buffers rollout workers read; None: no export
@@ -79,9 +92,9 @@ class TorchTrainEngine:
         self._evaluator = None  # HeldOutEvaluator, made at the first evaluation
 
     # -- what a parallel layout (torch_parallel.ParallelTrainEngine) replaces ------------------
-    def _prepare_model(self, model):
-        """The model to train; a parallel engine shards it here, before the optimizer takes its parameters."""
-        return model
+    def _prepare_model(self, policy: PackedLM) -> PackedLM:
+        """The policy to train; a parallel engine shards it here, before the optimizer takes its parameters."""
+        return policy
 
     def _data_shard(self) -> tuple[int, int]:
         """(index, count): this rank trains rows index::count of every mini-batch."""
@@ -113,65 +126,82 @@ class TorchTrainEngine:
         the all-reduced gradient is exactly the single-process gradient of the mini-batch."""
         t0 = time.perf_counter()
         rank, world = self._data_shard()
-        data = {k: v.to(self.device) for k, v in data.items()}
         B = data["ids"].shape[0]
-        # This rank's rows: its share of every mini-batch (not rows rank::world of the whole batch,
-        # which differ as soon as world does not divide the mini-batch size).
-        mine = torch.cat([torch.arange(s, min(B, s + self.mini_batch))[rank::world]
-                          for s in range(0, B, self.mini_batch)])
-        # A rank without rows of its own still runs every forward and backward, on a stand-in row
-        # weighted 0: sharded weights (FSDP, tensor parallel) are gathered inside them by all ranks.
-        run = mine if len(mine) else torch.arange(1)
-        prox = torch.zeros_like(data["behav"])
-        ref = torch.zeros_like(data["behav"]) if self.ref is not None else None
+        plans = []  # per mini-batch: this rank's micro-batches and each one's share of the mini-batch's tokens
+        for start in range(0, B, self.mini_batch):
+            mb = torch.arange(start, min(B, start + self.mini_batch))
+            rows = mb[rank::world]
+            # A rank without rows of its own still runs every forward and backward, on a stand-in row
+            # weighted 0: sharded weights (FSDP, tensor parallel) are gathered inside them by all ranks.
+            # For the same reason, with dp > 1 a rank's rows make one micro-batch: every rank must run
+            # as many forwards as the others.
+            packs = pack_rows(data, rows if len(rows) else mb[:1], self.micro_tokens if world == 1 else 1 << 62)
+            total = float(data["mask"][mb].sum().clamp(min=1))
+            plans.append([(p.to(self.device), float(p.mask.sum()) / total if len(rows) else 0.0) for p in packs])
         with torch.no_grad():  # proximal policy: the weights before this update
-            self.model.eval()
-            lp = token_logprobs(self.model, data["ids"][run], data["attn"][run], self.temperature)
-            prox[mine] = lp[:len(mine)]
-            if ref is not None and len(mine):
-                ref[mine] = token_logprobs(self.ref, data["ids"][mine], data["attn"][mine], self.temperature)
-        self.model.train()
+            self.policy.eval()
+            prox, ent_sum, ent_tokens = [], 0.0, 0.0
+            for plan in plans:
+                prox.append([])
+                for p, share in plan:
+                    with autocast(self.device, self.dtype):
+                        lp, ent = packed_logprobs(self.policy, p, self.temperature, chunk=self.cfg.logit_chunk_tokens,
+                                                  entropy=True)
+                    ref_lp = None
+                    if self.ref is not None:
+                        with autocast(self.device, self.dtype):
+                            ref_lp = packed_logprobs(self.ref, p, self.temperature,
+                                                     chunk=self.cfg.logit_chunk_tokens)[0]
+                    prox[-1].append((lp, ref_lp))
+                    if share > 0:  # a stand-in row is not this rank's data
+                        ent_sum += float((ent * p.mask).sum())
+                        ent_tokens += float(p.mask.sum())
+        self.policy.train()
         acc: dict[str, float] = {}
         steps = 0
         for _ in range(self.cfg.ppo_epochs):
-            for start in range(0, B, self.mini_batch):
-                mb = torch.arange(start, min(B, start + self.mini_batch))
-                rows = mb[rank::world]
-                share = float(data["mask"][rows].sum() / data["mask"][mb].sum().clamp(min=1))
-                if not len(rows):
-                    rows = mb[:1]  # the stand-in row (share 0, see above)
+            for plan, prox_mb in zip(plans, prox):
                 self.opt.zero_grad(set_to_none=False)
-                logp = token_logprobs(self.model, data["ids"][rows], data["attn"][rows], self.temperature)
-                loss, stats = decoupled_ppo_loss(
-                    logp, prox[rows], data["behav"][rows], data["adv"][rows], data["mask"][rows],
-                    eps_clip=self.cfg.eps_clip, eps_clip_high=self.cfg.eps_clip_high,
-                    behav_imp_weight_cap=self.cfg.behav_imp_weight_cap)
-                if ref is not None:
-                    kl = masked_mean(kl_penalty(logp, ref[rows], "k3"), data["mask"][rows])
-                    loss = loss + self.cfg.kl_coef * kl
-                    stats["kl"] = float(kl)
-                (loss * share).backward()
-                loss = self._sync_grads(loss.detach() * share)
-                stats["grad_norm"] = self._clip_grads()
+                loss_sum = torch.zeros((), device=self.device)
+                mb_stats: dict[str, float] = {}
+                for (p, share), (prox_lp, ref_lp) in zip(plan, prox_mb):
+                    with autocast(self.device, self.dtype):
+                        logp, _ = packed_logprobs(self.policy, p, self.temperature, chunk=self.cfg.logit_chunk_tokens)
+                    loss, stats = decoupled_ppo_loss(
+                        logp, prox_lp, p.behav, p.adv, p.mask, eps_clip=self.cfg.eps_clip,
+                        eps_clip_high=self.cfg.eps_clip_high, behav_imp_weight_cap=self.cfg.behav_imp_weight_cap)
+                    if ref_lp is not None:
+                        kl = masked_mean(kl_penalty(logp, ref_lp, "k3"), p.mask)
+                        loss = loss + self.cfg.kl_coef * kl
+                        stats["kl"] = float(kl)
+                    (loss * share).backward()
+                    loss_sum = loss_sum + loss.detach() * share
+                    for k, v in stats.items():
+                        mb_stats[k] = mb_stats.get(k, 0.0) + float(v) * share
+                loss_sum = self._sync_grads(loss_sum)
+                mb_stats["grad_norm"] = self._clip_grads()
                 self.opt.step()
-                stats["loss"] = float(loss.detach())
-                for k, v in stats.items():
-                    acc[k] = acc.get(k, 0.0) + float(v)
+                mb_stats["loss"] = float(loss_sum)
+                for k, v in mb_stats.items():
+                    acc[k] = acc.get(k, 0.0) + v
                 steps += 1
         out = {k: v / steps for k, v in acc.items()}
         out["tokens"] = int(data["mask"].sum())
+        out["entropy"] = ent_sum / max(1.0, ent_tokens)  # this rank's tokens (with dp, rank 0's share)
         out["compute_s"] = time.perf_counter() - t0
         return out
 
     # -- weights out ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """The float32 master weights under their Hugging Face names."""
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def export_weights(self, version: int) -> tuple[str, int]:
-        """(location, nbytes) of ``version`` in the rollout workers' buffers; WeightsBusy while none is free."""
+        """(location, nbytes) of ``version`` in the rollout workers' buffers, in the rollout dtype
+        (model.dtype); WeightsBusy while none is free."""
         if self.publisher is None:
             return "", 0
-        return self.publisher.publish(self.state_dict(), version)
+        return self.publisher.publish(export_state_dict(self.state_dict(), self.model.config, self.dtype), version)
 
     def release(self, version: int) -> None:
         if self.publisher is not None:
@@ -209,7 +239,7 @@ class TorchTrainEngine:
         return folder
 
     def _save_weights(self, folder: Path) -> None:
-        save_pretrained(self.model, folder)
+        save_weights(self.model.config, self.state_dict(), folder)
 
     def optimizer_state(self) -> dict:
         """AdamW's state as ``optimizer.pt`` holds it (keyed by parameter index: layout-independent)."""
