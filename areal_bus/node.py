@@ -79,7 +79,8 @@ class PeerTable:
 
 class NodeShell:
     def __init__(self, topo: Topology, kind: str, replica: int = 0, *, topics: tuple[bytes, ...] = (),
-                 watch: tuple[str, ...] = (), base: Path | None = None, echo: bool = True):
+                 watch: tuple[str, ...] = (), base: Path | None = None, echo: bool = True,
+                 own_policy: bool = False):
         self.topo = topo
         self.kind = kind
         self.replica = replica
@@ -93,6 +94,9 @@ class NodeShell:
         self.ctx = bus_context(topo.curve_keys(self.base), self.metrics, self.log)
         self.encoder = Encoder(self.node_id)
         self.policy = PolicyVersion()  # the newest policy this node knows of (serves, for rollout)
+        # A node that sets ``policy`` itself (rollout: what it serves, the trainer: what it made) is not
+        # moved by announcements, so its heartbeat never claims a version it does not have yet.
+        self.own_policy = own_policy
         self.peers = PeerTable()
         self.watch = set(watch)
         self.inflight: list = []  # read by the heartbeat thread; nodes replace it, never mutate it
@@ -170,7 +174,7 @@ class NodeShell:
                     else:
                         self.event(f"peer_{change}", peer=msg.node_id)
                     out.append((env, m.Event(name=f"peer_{change}", node_id=msg.node_id, fields={"kind": msg.kind})))
-            elif isinstance(msg, m.VersionAnnounce):
+            elif isinstance(msg, m.VersionAnnounce) and not self.own_policy:
                 self.policy = max(self.policy, PolicyVersion.of(msg))
             out.append((env, msg))
         for peer in self.peers.expire(now):

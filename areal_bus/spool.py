@@ -21,7 +21,7 @@ thread of its own, so the trainer's main thread only ever appends to the WAL.
 Rows are the trajectory encoded by the project's codec (a msgpack list of its frames), decoded with
 the same checks as anything off the wire: no pickle.
 
-Run: used by nodes/trainer.py; tests/test_spool.py.
+Run: used by nodes/trainer/ (core.py, wiring.py); tests/test_spool.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from typing import Protocol
 import numpy as np
 
 from areal_bus.constants import STREAM_EVERY_S
-from areal_bus.messages import Completion, GenerateRequest, Trajectory
+from areal_bus.messages import Completion, GenerateRequest
 
 
 class RolloutEngine(Protocol):
@@ -38,14 +38,6 @@ class RolloutEngine(Protocol):
     def swap_weights(self, version: int, location: str) -> float:
         """Switch to ``version`` between two steps (the safe point). Returns seconds the swap took.
         Sequences keep running; their later tokens carry the new version."""
-
-
-class TrainEngine(Protocol):
-    def train(self, batch: list[Trajectory], version: int) -> dict:
-        """One policy update on ``batch`` (made with weights ``version``); returns stats incl. loss."""
-
-    def export_weights(self, version: int) -> tuple[str, int]:
-        """Make the weights of ``version`` available to readers; returns (location, nbytes)."""
 
 
 class TokenStreams:

@@ -2,7 +2,9 @@
 
 ``app`` builds the aiohttp application (``make_app``) and serves the chat APIs (its config,
 ``GatewayConfig``, is in areal_bus/node_configs.py with the topology's other node configs);
-``rl_routes`` the /rl session routes; ``server`` the HTTP plumbing (error middleware, ``start_server``); ``sessions``
+``policy_chat`` a chat request served by the policy; ``anthropic_api``, ``anthropic_reply`` and
+``anthropic_routes`` the Anthropic Messages API in, out and its routes; ``live`` streaming as it
+generates; ``rl_routes`` the /rl session routes; ``server`` the HTTP plumbing (error middleware, ``start_server``); ``sessions``
 records each session's tokens and ends it into trajectories; ``chat`` renders conversations through
 the policy's chat template; ``guard`` holds the input limits and the log redaction; ``backend`` defines
 where generations come from; ``bus_backend`` gets them from rollout workers; ``node`` wires it all to the

@@ -1,6 +1,6 @@
 """The gateway's RL routes: open, inspect, reward and end sessions, the metrics view and /health.
 
-``RLRoutes`` is a mixin of ``app.Gateway`` (``class Gateway(RLRoutes)``), which registers its handlers in
+``RLRoutes`` is a mixin of ``app.Gateway`` (``class Gateway(PolicyChat, AnthropicRoutes, RLRoutes)``), which registers its handlers in
 ``make_app``; it holds no state of its own and relies on the Gateway's ``cfg``, ``store``, ``admission``,
 ``log``, ``metrics``, ``pending``, ``principal``, ``read_json`` and ``end_session``. The routes (each also
 under ``/gateway``; the full table is in ``app``'s docstring)::

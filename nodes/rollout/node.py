@@ -64,7 +64,8 @@ class _Sockets:
 
 
 def run(topo, replica: int = 0, base=None) -> int:
-    shell = NodeShell(topo, "rollout", replica, base=base, watch=("agent", "weights"), topics=(m.TOPIC_VERSION,))
+    shell = NodeShell(topo, "rollout", replica, base=base, watch=("agent", "weights"), topics=(m.TOPIC_VERSION,),
+                      own_policy=True)
     shell.install_signal_handlers()
     bus = _Sockets(shell, topo)
     engine, release_upto = make_engine(topo, shell.node_id, replica, base)

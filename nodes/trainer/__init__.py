@@ -38,7 +38,7 @@ __all__ = ["run", "TrainerCore", "TrainQueue", "Start", "plan_start", "resume_st
 
 
 def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
-    shell = NodeShell(topo, "trainer", replica, base=base, watch=("weights",),
+    shell = NodeShell(topo, "trainer", replica, base=base, watch=("weights",), own_policy=True,
                       topics=(m.TOPIC_VERSION, m.TOPIC_VERSION_COMMITTED))
     shell.install_signal_handlers()
     dur = topo.durability
