@@ -30,6 +30,16 @@ The rule bounds staleness exactly only if samples finish in admission order; wit
 lengths a long sample can be overtaken by later short ones and reach the trainer later than its slot.
 That is what the consumption check is for.
 
+Tickets: ``admit`` hands each episode the update it is admitted for, as a ticket in units of
+``1 / min_batch`` of an update (``ticket // trigger_batch_size`` is that update, which is what
+``[rollout] step`` logs). The update is the trainer's last reported version plus the updates' worth
+of this source's episodes already in flight ahead of it (its in-flight allowance, the rule's
+``(staleness + 1) * batch`` share, spread over staleness + 1 updates). The rule keeps that at most
+``v + staleness``; ``[train] step`` names the update just done (``v - 1``), so rollout runs at most
+``staleness + 1`` ahead, whatever batch the trainer takes. A dense slot divided by a fixed batch
+would not: when the trainer takes more than trigger_batch_size per update, slots run ahead of
+updates without bound. With every update taking trigger_batch_size, the ticket is the dense slot.
+
 Versions: the trainer's progress is ordered by ``PolicyVersion`` (lineage, version), as everywhere.
 A restarted trainer resumes from its checkpoint as a new lineage whose version numbers may be lower
 than the last ones reported; ``observe`` takes its reports as newer and measures the batch from its
@@ -148,8 +158,23 @@ class Admission:
         """The trainer trained on ``n`` of this source's episodes."""
         self.consumed += n
 
-    def admit(self, n: int = 1) -> None:
+    def ticket(self) -> int:
+        """The next episode's ticket: the update it would be admitted for, in units of
+        ``1 / min_batch`` of an update (so ``ticket // min_batch`` is the update; see the module
+        docstring). Ordered like admission within one trainer lineage; not unique."""
+        if not self.history:  # AReaL's form alone: this source's share of global_batch_size per update
+            return self.admitted * self.min_batch // max(1, self._share(self.max_batch))
+        # The consumption form lets this source hold fewer than ``allowed`` in flight over staleness + 1
+        # updates: each allowed / (staleness + 1) of them ahead of it is one more update to wait for.
+        allowed = max(1, self._share((self.staleness + 1) * self.batch))
+        ahead = max(0, self.admitted - self.consumed) * (self.staleness + 1)
+        return self.history[-1][0].version * self.min_batch + ahead * self.min_batch // allowed
+
+    def admit(self, n: int = 1) -> int:
+        """Count ``n`` episodes as admitted; the first one's ticket."""
+        ticket = self.ticket()
         self.admitted += n
+        return ticket
 
     def abandon(self, n: int = 1) -> None:
         """Slots of episodes this source gave up before the trainer saw them (a rollout worker refused

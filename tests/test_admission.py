@@ -252,3 +252,44 @@ def test_an_episode_a_worker_refused_frees_its_slot_and_the_trainers_stale_total
     assert src.admission.capacity(0) == 1  # the slot is free again
     src.admission.sync("trainer-a", consumed=0, stale=2)  # the trainer's own stale drops: returned on top
     assert src.admission.capacity(0) == 3
+
+
+# -- tickets: the update an episode is admitted for (what [rollout] step logs) ---------------------------
+
+def test_with_every_update_taking_the_trigger_batch_the_ticket_is_the_plain_admission_slot():
+    adm = Admission(staleness=2, batch=4, max_batch=4)
+    tickets = [adm.admit() for _ in range(adm.capacity(0))]
+    for version in range(1, 6):
+        adm.follow(_state(version, 4 * version, {"a": [4 * version, 0]}), "a")
+        tickets += [adm.admit() for _ in range(adm.capacity(version))]
+    assert tickets == list(range(len(tickets))) and len(tickets) == (2 + 5 + 1) * 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(staleness=st.integers(0, 4), trigger=st.integers(1, 8), extra=st.integers(0, 8), lag=st.integers(0, 3),
+       sources=st.integers(1, 3), plan=st.lists(st.integers(0, 3), min_size=1, max_size=80))
+def test_an_episode_is_never_admitted_for_an_update_past_the_staleness_bound(staleness, trigger, extra, lag, sources,
+                                                                            plan):
+    """Whatever the trainer takes per update (trigger to global, all that is ready), however late its
+    reports: ticket // trigger_batch_size, the update the episode is admitted for, is at most the
+    trainer's version + staleness (so [rollout] step leads [train] step, the update just done, by at
+    most staleness + 1), and never an update already done when it was admitted."""
+    glob = trigger + extra
+    adm = Admission(staleness, trigger, sources, 0, max_batch=glob)
+    version, consumed, ready = 0, 0, 0
+    reports = [(0, 0)]
+    for op in plan:
+        if op == 0 and ready >= trigger:  # an update: everything ready, up to global_batch_size
+            taken = min(ready, glob)
+            ready, consumed, version = ready - taken, consumed + taken, version + 1
+            reports.append((version, consumed))
+        elif op == 1:  # a report reaches the source, up to ``lag`` updates late
+            v, c = reports[max(0, len(reports) - 1 - lag)]
+            adm.follow(_state(v, c, {"a": [c, 0]}), "a")
+        else:  # this source starts what the rule allows
+            seen = adm.history[-1][0].version if adm.history else 0
+            for _ in range(adm.capacity(seen)):
+                update = adm.admit() // trigger
+                assert seen <= update <= version + staleness
+                assert update <= seen + staleness
+                ready += 1

@@ -321,10 +321,60 @@ def test_rewritten_history_is_recorded_as_a_new_segment(gateway):
 
 
 def test_admission_gates_new_sessions_with_429_and_retry_after(gateway):
-    gw = gateway(admission=lambda: (False, 2.5))
+    gw = gateway(admission=lambda: (None, 2.5))
     r = gw.post("/rl/sessions")
     assert r.status_code == 429 and r.headers["Retry-After"] == "3"
     assert r.json()["error"]["code"] == "staleness_limit"
+
+
+def test_every_request_of_a_session_carries_the_ticket_admission_gave_it(gateway):
+    """The rollout worker's [rollout] step is read off GenerateRequest.ticket: each turn of a session
+    must carry the session's admission ticket (the engine copies it into its Completion), its
+    trajectory too; an unrecorded admin call carries 0."""
+    tickets = iter([97, 3])
+    gw = gateway(admission=lambda: (next(tickets), 0.0))
+    first, second = gw.open_session(), gw.open_session()
+    play(gw.client(key=first["api_key"]), 2)
+    play(gw.client(key=second["api_key"]), 1)
+    play(gw.client(), 1)
+    assert [c.ticket for _, c in gw.backend.history] == [97, 97, 3, 0]
+    for s in (first, second):
+        gw.post(f"/rl/sessions/{s['session_id']}/end")
+    assert {t.traj_id: t.ticket for t in gw.emitted} == {first["session_id"]: 97, second["session_id"]: 3}
+
+
+def test_the_gateway_admits_sessions_for_updates_at_most_staleness_ahead_of_the_trainer():
+    """The gateway node's admission on the default topology (sessions through the gateway, no socket):
+    ticket // trigger_batch_size is the update a session is admitted for. Before the trainer has
+    measured its batch, global_batch_size sessions per update; then the trainer's reports move it on,
+    and never past the trainer's version + staleness_threshold."""
+    from pathlib import Path
+
+    from areal_bus.messages import RunState
+    from areal_bus.metrics import Metrics
+    from areal_bus.topology import load_topology
+    from nodes.gateway.node import _admission, admit_session
+
+    topo = load_topology(Path(__file__).resolve().parents[1] / "topology" / "default.yaml")
+    s, trigger, glob = topo.staleness_threshold, topo.trigger_batch_size, topo.global_batch_size
+    adm, metrics = _admission(topo, 0), Metrics()
+
+    def open_all(version):
+        updates = []
+        while (got := admit_session(adm, version, metrics))[0] is not None:
+            updates.append(got[0] // trigger)
+        assert got[1] > 0 and metrics.counters["sessions_refused"] >= 1
+        return updates
+
+    assert open_all(0) == [u for u in range(s + 1) for _ in range(glob)]
+    consumed = 0
+    for version in range(1, 8):  # the trainer takes trigger_batch_size an update, as rollout-bound runs do
+        consumed += trigger
+        adm.follow(RunState(version=version, max_steps=60, finished=False, consumed=consumed, incarnation="t",
+                            sources={"gw": [consumed, 0]}), "gw")
+        updates = open_all(version)
+        assert all(version <= u <= version + s for u in updates), (version, updates)
+    assert updates == [version + s] * trigger  # the pipeline stays full: a batch for the update s ahead
 
 
 def test_session_limit_is_a_429_saying_what_to_do(gateway):

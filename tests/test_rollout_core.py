@@ -206,3 +206,21 @@ def test_step_log_writes_one_line_per_share_of_the_trigger_batch():
     lines = [log.add(comp, version=1) for _ in range(2 * log.every)]
     assert [i for i, line in enumerate(lines) if line] == [log.every - 1, 2 * log.every - 1]
     assert lines[-1] == {"step": 40 // TOPO.effective_trigger, "generated": log.every, "tokens": 3 * log.every}
+
+
+def test_step_log_step_is_the_update_the_samples_were_admitted_for_not_the_version_serving_them():
+    # In gateway mode the serving version trails the update the samples are for by up to the staleness
+    # bound; the step is read off the tickets alone, the highest so far (samples finish out of order).
+    log = StepLog(TOPO)
+    b = TOPO.effective_trigger
+
+    def comp(ticket):
+        return m.Completion(request_id="a", episode_id="e", ticket=ticket, worker="w", output_ids=np.zeros(1, np.int32),
+                            logprobs=np.zeros(1, np.float32), versions=np.zeros(1, np.int32))
+
+    lines = [log.add(comp(3 * b + 1 if i == 0 else b), version=9) for i in range(log.every)]
+    assert lines[-1]["step"] == 3
+    lines = [log.add(comp(0), version=9) for _ in range(log.every)]
+    assert lines[-1]["step"] == 3
+    lines = [log.add(comp(5 * b), version=1) for _ in range(log.every)]
+    assert lines[-1]["step"] == 5

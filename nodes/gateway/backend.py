@@ -50,6 +50,9 @@ class SamplingParams:
     single token are applied by the gateway after generation."""
     meta: dict = field(default_factory=dict)
     """Free-form request metadata for the backend (e.g. the GRPO group); engines may ignore it."""
+    ticket: int = 0
+    """The session's admission ticket (``sessions.Session.ticket``), sent as ``GenerateRequest.ticket``:
+    the rollout worker logs ticket // trigger_batch_size as its step. 0 outside a session."""
 
 
 class Backend(Protocol):
@@ -94,7 +97,7 @@ class LocalEngineBackend:
         fut = loop.create_future()
         rid = f"gw-{next(self._ids)}"
         req = GenerateRequest(
-            request_id=rid, episode_id=session_id or rid, ticket=0, min_version=0,
+            request_id=rid, episode_id=session_id or rid, ticket=params.ticket, min_version=0,
             max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
             prompt_ids=np.asarray(prompt_ids, dtype=np.int32), stop=list(params.stop_token_ids),
             meta=dict(params.meta), stream=on_tokens is not None)

@@ -42,6 +42,17 @@ def _admission(topo, replica: int) -> Admission:
                      max_batch=topo.global_batch_size)
 
 
+def admit_session(admission: Admission, version: int, metrics) -> tuple[int | None, float]:
+    """POST /rl/sessions' admission, the trainer having made ``version`` updates: (the new session's
+    ticket, 0), or (None, Retry-After) while the rule allows no more (counted as sessions_refused).
+    The ticket says which update the session is admitted for; it rides on every request of the
+    session, so the rollout workers' ``[rollout] step`` means the same as with agents on the bus."""
+    if admission.capacity(version) > 0:
+        return admission.admit(1), 0.0
+    metrics.inc("sessions_refused")
+    return None, ADMISSION_RETRY_S
+
+
 def run(topo, replica: int = 0, base=None) -> int:
     shell = NodeShell(topo, "gateway", replica, base=base, watch=("rollout", "reward", "trainer"),
                       topics=(m.TOPIC_VERSION, m.TOPIC_TRAJ_ACK, m.TOPIC_RUN))
@@ -69,12 +80,8 @@ def run(topo, replica: int = 0, base=None) -> int:
     source = f"{shell.node_id}:{shell.incarnation}"  # names our sessions in the trainer's totals
     ledger = Ledger(ledger_path(shell.log_dir, shell.node_id))  # what we produced, for the audit
 
-    def admit() -> tuple[bool, float]:
-        if admission.capacity(shell.version) > 0:
-            admission.admit(1)
-            return True, 0.0
-        shell.metrics.inc("sessions_refused")
-        return False, ADMISSION_RETRY_S
+    def admit() -> tuple[int | None, float]:
+        return admit_session(admission, shell.version, shell.metrics)
 
     def emit(traj: m.Trajectory) -> None:
         if traj.traj_id != traj.episode_id:  # a session's extra branch (n > 1, rewritten history): one more sample

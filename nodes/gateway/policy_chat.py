@@ -64,7 +64,8 @@ class PolicyChat:
         temperature = 1.0 if req.temperature is None else float(req.temperature)
         params = SamplingParams(max_tokens=min(wanted, room), temperature=temperature,
                                 top_p=1.0 if req.top_p is None else float(req.top_p),
-                                stop_token_ids=tuple(self.renderer.stop_token_ids(stops)))
+                                stop_token_ids=tuple(self.renderer.stop_token_ids(stops)),
+                                ticket=session.ticket if session is not None else 0)
         parse_tools = bool(tools) and req.tool_choice != "none"
         n = req.n or 1
         self._admit(n)

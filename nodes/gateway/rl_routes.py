@@ -2,8 +2,9 @@
 
 ``RLRoutes`` is a mixin of ``app.Gateway`` (``class Gateway(PolicyChat, AnthropicRoutes, RLRoutes)``), which registers its handlers in
 ``make_app``; it holds no state of its own and relies on the Gateway's ``cfg``, ``store``, ``admission``,
-``log``, ``metrics``, ``pending``, ``principal``, ``read_json`` and ``end_session``. The routes (each also
-under ``/gateway``; the full table is in ``app``'s docstring)::
+``log``, ``metrics``, ``pending``, ``principal``, ``read_json`` and ``end_session``. ``admission()``
+returns ``(ticket, retry_after_s)``: the admitted session's ticket (``Admission.admit``), or None and
+how long to wait. The routes (each also under ``/gateway``; the full table is in ``app``'s docstring)::
 
     POST /rl/sessions              create_session   admin token: open a session; returns its key
     GET  /rl/sessions/{id}         get_session      admin token or the session key: where it stands
@@ -57,16 +58,19 @@ class RLRoutes:
                               f"{self.cfg.max_sessions}); end finished sessions, or wait for idle ones to expire "
                               f"(after {self.cfg.session_idle_timeout_s:g} s).", type="rate_limit_error",
                               code="too_many_sessions", headers={"Retry-After": "1"})
+        ticket = None  # no admission (a gateway alone): the store numbers its sessions
         if self.admission is not None:
-            ok, retry_after = self.admission()
-            if not ok:
+            ticket, retry_after = self.admission()
+            if ticket is None:
                 wait = max(0.0, float(retry_after))
                 raise OpenAIError(429, f"Not admitting new sessions: rollout is as far ahead of training as "
                                   f"staleness_threshold allows. Retry after {wait:.1f} s.", type="rate_limit_error",
                                   code="staleness_limit",
                                   headers={"Retry-After": str(max(1, math.ceil(wait))),
                                            "retry-after-ms": str(int(wait * 1000))})
-        session, key = self.store.create(meta=meta, group_id=group_id)
+        # The ticket (the update the session is admitted for) rides on each of its GenerateRequests
+        # and on its trajectories: the rollout worker's [rollout] step is read from it.
+        session, key = self.store.create(meta=meta, group_id=group_id, ticket=ticket)
         self.log.info("session_opened", session=session.id, open=len(self.store.sessions))
         return json_response({"session_id": session.id, "api_key": key, "model": self.cfg.policy_model,
                               "idle_timeout_s": self.cfg.session_idle_timeout_s}, status=201)

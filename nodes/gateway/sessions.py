@@ -134,7 +134,7 @@ class Session:
     key_hash: bytes
     created_at: float
     last_active: float
-    ticket: int
+    ticket: int  # the update it is admitted for (Admission.admit): on each of its GenerateRequests and trajectories
     group_id: str = ""
     meta: dict = field(default_factory=dict)
     branches: list[Branch] = field(default_factory=list)

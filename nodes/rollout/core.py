@@ -38,8 +38,10 @@ Reply = tuple[ReplyTo, m.Completion]
 
 class StepLog:
     """Rollout log lines: one per trigger_batch_size / rollout_workers completions of this worker, so
-    all workers together log about once per update. ``step`` is the train step the samples are
-    meant for (their slot // batch): rollout runs ahead of training by up to the staleness bound."""
+    all workers together log about once per update. ``step`` is the update the samples were admitted
+    for (ticket // trigger_batch_size: ``Admission`` hands out tickets in those units, agents' and
+    gateway sessions' alike), the highest seen so far: it runs ahead of ``[train] step`` by at most
+    staleness_threshold + 1. The version serving them goes in the line as ``version=``."""
 
     def __init__(self, topo):
         self.every = max(1, topo.effective_trigger // max(1, topo.replicas("rollout")))
@@ -48,10 +50,13 @@ class StepLog:
         self.step = 0
 
     def add(self, comp: m.Completion, version: int) -> dict | None:
+        """Count one finished completion; the line's fields when one is due. ``version`` (the one
+        serving it, which the caller logs as ``version=``) is not the step: in gateway mode it trails
+        the update the samples are for by up to the staleness bound."""
         self.generated += 1
         self.tokens += int(comp.output_ids.size)
-        # Gateway requests carry no admission slot (ticket 0): the version serving them stands in.
-        self.step = max(self.step, comp.ticket // self.batch, version)
+        # The highest so far: samples finish out of admission order, and a line should not step back.
+        self.step = max(self.step, comp.ticket // self.batch)
         if self.generated < self.every:
             return None
         line = {"step": self.step, "generated": self.generated, "tokens": self.tokens}
