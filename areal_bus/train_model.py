@@ -220,12 +220,15 @@ def _head_logprobs(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Te
     return logprobs_of(logits, targets, temperature)
 
 
-def _head_entropy(hidden, weight, bias, softcap, temperature) -> torch.Tensor:
+def _head_logprobs_entropy(hidden, targets, weight, bias, softcap, temperature):
+    """Both from one set of logits (no gradient: the proximal pass logs the entropy)."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     z = scaled_logits(logits, temperature)
-    return torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+    lse = torch.logsumexp(z, -1)
+    lp = z.gather(-1, targets[:, None].long()).squeeze(-1) - lse
+    return lp, lse - (torch.softmax(z, -1) * z).sum(-1)
 
 
 class PackedLM(torch.nn.Module):
@@ -253,13 +256,15 @@ class PackedLM(torch.nn.Module):
         parts, ents = [], []
         for s in range(0, h.shape[0], chunk):
             args = (h[s:s + chunk], targets[s:s + chunk], head.weight, head.bias, softcap, temperature)
-            if torch.is_grad_enabled():
+            if entropy:
+                with torch.no_grad():
+                    lp, ent = _head_logprobs_entropy(*args)
+                parts.append(lp)
+                ents.append(ent)
+            elif torch.is_grad_enabled():
                 parts.append(checkpoint(_head_logprobs, *args, use_reentrant=False))
             else:
                 parts.append(_head_logprobs(*args))
-            if entropy:
-                with torch.no_grad():
-                    ents.append(_head_entropy(h[s:s + chunk], head.weight, head.bias, softcap, temperature))
         zero = hidden.new_zeros(1, dtype=torch.float32)
         starts = positions[0] == 0
         lp = torch.cat([zero, *parts]).masked_fill(starts, 0.0)
@@ -271,7 +276,8 @@ def packed_logprobs(model, packed: Packed, temperature: float = 1.0, *, chunk: i
                     entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """([N] log p(ids[t] | the sample's tokens before t), [N] entropy of that distribution or None).
 
-    ``model``: a PackedLM, or a transformers causal LM. Entry t is 0 where token t starts a sample
+    ``model``: a PackedLM, or a transformers causal LM. ``entropy`` is for a pass without gradient (the
+    proximal one): its log-probabilities are returned detached. Entry t is 0 where token t starts a sample
     (nothing predicts it). Differentiable in the model's parameters; the logits of one chunk of
     positions exist at a time, and are recomputed in backward (checkpointing) instead of kept."""
     lengths = torch.tensor([0] + [n for _, _, n in packed.rows])

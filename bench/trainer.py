@@ -11,6 +11,9 @@ Both paths run the same decoupled PPO objective with a proximal-logprob forward 
             README's GPU advice), rows right-padded to the longest of their forward, full [rows, T,
             vocab] float32 logits. A mini-batch is forwarded --baseline-rows rows at a time (gradient
             accumulated), because the whole mini-batch padded does not fit in memory at 3000 tokens.
+            CAVEAT (measured 2026-12-01): this re-implementation runs ~3x slower than the old engine
+            itself (bench/trainer_parallel.py at 7adbcb8 on similar rows), so its ratios overstate the
+            packed path's gain; bench/RESULTS.md has the same-run comparison against the real engine.
   packed    transformers' Qwen2ForCausalLM (areal_bus/train_model.py) with float32 master weights and
             AdamW state, bf16 autocast compute, samples packed end to end into micro-batches of
             <= --micro-tokens tokens (attention within each sample: --attn areal_varlen, torch's FlashAttention varlen

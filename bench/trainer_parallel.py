@@ -62,7 +62,9 @@ def bench_topology(args, dp: int, tp: int) -> SimpleNamespace:
     return SimpleNamespace(
         trainer_engine=SimpleNamespace(kl_coef=0.0, ppo_epochs=1, eps_clip=0.2, eps_clip_high=None,
                                        behav_imp_weight_cap=5.0, grad_clip=1.0, adv_std_normalize=True,
-                                       adv_leave_one_out=False),
+                                       adv_leave_one_out=False, attn_implementation="auto",
+                                       micro_batch_tokens=16384, logit_chunk_tokens=4096,
+                                       gradient_checkpointing=False),
         model=SimpleNamespace(device=args.device, dtype=args.dtype, seed=0, threads=1),
         rollout_engine=SimpleNamespace(temperature=1.0),
         trainer_device=args.device, learning_rate=args.lr, mini_batch_size=args.mini_batch, train_workers=dp * tp,
@@ -93,7 +95,7 @@ def rank_main(rank: int, dp: int, tp: int, args, model_path: str, init: str, que
         group = RankGroup(rank, world, init, backend_for(args.device))
         engine = ParallelTrainEngine(topo, model_path, group=group)
     dev = engine.device
-    vocab = engine.model.cfg.vocab_size
+    vocab = engine.model.config.vocab_size
     out = []
     prof = None
     if args.profile and rank == 0:  # the updates after warm-up, on rank 0: where a layout's time goes

@@ -61,7 +61,10 @@ def test_each_architecture_packs_trains_and_reloads(kind, tmp_path):
     assert next(model.parameters()).dtype == torch.float32
     samples = _samples(np.random.default_rng(1), [11, 7, 19])
     (packed,) = pack(samples, max_tokens=64)
-    lp, ent = packed_logprobs(model, packed, chunk=8, entropy=True)
+    lp, _ = packed_logprobs(model, packed, chunk=8)
+    with torch.no_grad():
+        lp_nograd, ent = packed_logprobs(model, packed, chunk=8, entropy=True)
+    torch.testing.assert_close(lp_nograd, lp.detach())
     for i, start, n in packed.rows:  # attention never crosses samples: packed == one by one
         torch.testing.assert_close(lp[start:start + n], _unpacked_logprobs(model, samples[i]["ids"]),
                                    atol=2e-5, rtol=1e-5)
