@@ -16,7 +16,7 @@ failures raise ``RouterError`` at once. Each request leaves one line in the log:
 The key never reaches a log or an error message: it is held as a SecretStr, sent only in the
 Authorization header, and scrubbed from any upstream body that echoes it.
 
-Check a channel by hand: areal-bus check-channel --config configs/router.yaml --model judge_model
+Check a channel by hand: areal-bus check-channel --config configs/router.yaml --model policy_model
 """
 
 from __future__ import annotations

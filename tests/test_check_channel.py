@@ -2,6 +2,8 @@
 key) against the stand-in upstream and a closed port; and the agent-side ``check_gateway``.
 
 Every failure must be exactly one line, ``check-channel: <what failed>: <fix>``, with exit code 1.
+The shipped ``configs/router.yaml`` is also run, as the README says, against a real gateway (the
+standalone one, serving the shipped tiny policy).
 
 Run: .venv/bin/pytest tests/test_check_channel.py -q
 """
@@ -9,6 +11,7 @@ Run: .venv/bin/pytest tests/test_check_channel.py -q
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -18,11 +21,16 @@ from pathlib import Path
 import pytest
 
 from areal_bus.gateway_client import GatewayError, check_gateway, describe_http_error
+from areal_bus.router import load_router_config
+from areal_bus.topology import load_topology
+from nodes.gateway.standalone import Child
 from tests.test_router import KEY, KEY_ENV, StandIn, closed_port, router_yaml
 
 pytestmark = pytest.mark.timeout(30)
 
 CLI = str(Path(sys.executable).parent / "areal-bus")
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "configs" / "router.yaml"
 
 
 def check_channel(config: Path, model: str = "policy_model", key: str | None = KEY) -> tuple[int, str, str]:
@@ -102,6 +110,41 @@ def test_closed_port_names_host_port_and_the_gateway_log(tmp_path):
     assert f"cannot reach 127.0.0.1:{port} (connection refused: nothing listens on that port)" in line
     assert f"api_gateway.base_url in {path}" in line
     assert "supervisorctl -c supervisord.conf status gateway" in line and "logs/supervisor/gateway-0.log" in line
+
+
+# -- the shipped config against the shipped gateway -------------------------------------------------
+
+def test_the_shipped_router_config_names_the_default_gateways_address_and_policy(monkeypatch):
+    monkeypatch.setenv("AREAL_BUS_API_KEY", KEY)
+    monkeypatch.delenv("AREAL_BUS_GATEWAY_PORT", raising=False)
+    gw = load_topology(REPO / "topology" / "default.yaml").gateway_config()
+    cfg = load_router_config(SHIPPED)
+    assert cfg.api_gateway.base_url == f"http://127.0.0.1:{gw.port}/v1"
+    assert cfg.model_routing.policy_model.model_id == gw.policy_model
+
+
+@pytest.mark.timeout(180)
+def test_the_shipped_router_config_gets_a_reply_from_a_real_gateway_with_the_readmes_key(tmp_path):
+    """The README's check: the gateway's admin token exported as AREAL_BUS_API_KEY, then
+    `areal-bus check-channel --config configs/router.yaml --model policy_model` (the gateway on a free
+    port here, given as AREAL_BUS_GATEWAY_PORT): a reply from the policy, no 404."""
+    token = secrets.token_hex(16)
+    gateway = Child(["--port", "0"], token, output=tmp_path / "gateway.out")
+    try:
+        env = {k: v for k, v in os.environ.items() if k not in ("AREAL_BUS_ADMIN_TOKEN", "AREAL_BUS_API_KEY")}
+        env.update({"AREAL_BUS_API_KEY": token, "AREAL_BUS_GATEWAY_PORT": str(gateway.port)})
+        p = subprocess.run([CLI, "check-channel", "--config", "configs/router.yaml", "--model", "policy_model",
+                            "--prompt", "Guess my number (1-16) in 5 tries."], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert (p.returncode, p.stderr) == (0, ""), (p.stdout, p.stderr)
+        assert p.stdout.strip(), "no reply text"
+        # The wrong key is named as such, not taken: the check really went through the gateway's keys.
+        env["AREAL_BUS_API_KEY"] = "not-the-admin-token"
+        p = subprocess.run([CLI, "check-channel", "--config", "configs/router.yaml", "--model", "policy_model"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 1 and "401" in p.stderr, p.stderr
+    finally:
+        assert gateway.stop() == 0, (tmp_path / "gateway.out").read_text()[-2000:]
 
 
 # -- the agent side: check_gateway ----------------------------------------------------------------

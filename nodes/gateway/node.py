@@ -42,6 +42,15 @@ def _admission(topo, replica: int) -> Admission:
                      max_batch=topo.global_batch_size)
 
 
+def _is_self(base_url: str, cfg) -> bool:
+    """Whether a router's base_url is this gateway's own address (loopback or its host, its port)."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(base_url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    return port == cfg.port and url.hostname in {"127.0.0.1", "localhost", "::1", "0.0.0.0", cfg.host}
+
+
 def admit_session(admission: Admission, version: int, metrics) -> tuple[int | None, float]:
     """POST /rl/sessions' admission, the trainer having made ``version`` updates: (the new session's
     ticket, 0), or (None, Retry-After) while the rule allows no more (counted as sessions_refused).
@@ -70,7 +79,15 @@ def run(topo, replica: int = 0, base=None) -> int:
     if cfg.router_config:
         from areal_bus.router import ModelRouter, load_router_config
 
-        router = ModelRouter(load_router_config(topo.resolve(cfg.router_config, base)), log=shell.log)
+        router_cfg = load_router_config(topo.resolve(cfg.router_config, base))
+        if _is_self(router_cfg.api_gateway.base_url, cfg):
+            shell.log.error("router_is_this_gateway", router_config=cfg.router_config,
+                            fix="requests for other models would come back here for ever: point the router's "
+                            "api_gateway.base_url at a provider (configs/router.yaml as shipped is for clients "
+                            "of this gateway, not for its router_config)")
+            shell.close()
+            return 2
+        router = ModelRouter(router_cfg, log=shell.log)
     n_reward = topo.replicas("reward")
     targets = [shell.endpoint("samples", i) for i in range(n_reward)] if n_reward else [shell.endpoint("train")]
     consumer_kind = "reward" if n_reward else "trainer"
