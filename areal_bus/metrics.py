@@ -1,14 +1,25 @@
-"""Per-node metrics: counters (monotonic), gauges (current value) and integer histograms.
+"""Per-node metrics: counters (monotonic), gauges (current value) and histograms.
 
 A node's main thread updates them; its heartbeat thread snapshots and publishes them. Plain dicts
 are enough: CPython's dict copy is atomic under the GIL, and a counter read one increment late is
 harmless. ``RateWindow`` turns successive snapshots into per-second rates for the probe.
+
+Histograms come in two shapes, both cumulative over the node's life and both ``{bucket: count}`` on
+the wire: ``observe`` counts exact integer values (staleness in versions: every value its own bucket),
+``observe_seconds`` counts durations into the fixed upper edges ``SECONDS_BUCKETS`` plus ``+Inf``
+(every edge present, zeros included, so each scrape sees the same buckets) and keeps their sum in the
+counter ``<name>.sum``. areal_bus/prometheus.py turns either into a Prometheus histogram.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+"""Upper edges (seconds) of ``observe_seconds`` histograms: Prometheus' default buckets stretched to two
+minutes, because a gateway request waits on whole generations and a weight swap on a large copy."""
+INF_BUCKET = "+Inf"
 
 class Metrics:
     def __init__(self):
@@ -24,6 +35,15 @@ class Metrics:
 
     def observe(self, name: str, bucket: int, count: int = 1) -> None:
         self.hists.setdefault(name, collections.Counter())[bucket] += count
+
+    def observe_seconds(self, name: str, seconds: float) -> None:
+        """Count one duration into ``name``'s fixed buckets and add it to the counter ``<name>.sum``."""
+        hist = self.hists.get(name)
+        if hist is None:
+            hist = self.hists[name] = collections.Counter({str(e): 0 for e in (*SECONDS_BUCKETS, INF_BUCKET)})
+        i = bisect.bisect_left(SECONDS_BUCKETS, seconds)  # the first edge >= seconds (le is inclusive)
+        hist[str(SECONDS_BUCKETS[i]) if i < len(SECONDS_BUCKETS) else INF_BUCKET] += 1
+        self.counters[f"{name}.sum"] += seconds
 
     def snapshot(self) -> tuple[dict, dict, dict]:
         # msgpack map keys must be str for strict decoding: histogram buckets are sent as strings.

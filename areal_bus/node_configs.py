@@ -22,7 +22,7 @@ class _Strict(BaseModel):
 
 class NoConfig(_Strict):
     """``nodes.<kind>.config`` of a kind that takes no settings of its own (bus, agent, rollout, trainer,
-    weights, probe: their knobs are the topology's top-level fields)."""
+    weights: their knobs are the topology's top-level fields)."""
 
 
 class GatewayConfig(_Strict):
@@ -79,6 +79,17 @@ class GatewayConfig(_Strict):
     def base_url(self) -> str:
         """Where a client on this host reaches the gateway (no /v1)."""
         return f"http://{self.host}:{self.port}"
+
+
+class ProbeConfig(_Strict):
+    """``nodes.probe.config``: the probe node's Prometheus endpoint (GET /metrics, the families of
+    areal_bus/prometheus.py, from the heartbeats it hears)."""
+
+    enabled: bool = Field(True, description="Serve the Prometheus exposition; false: the probe only logs.")
+    metrics_host: str = Field("127.0.0.1", min_length=1, description="Address the endpoint listens on; loopback "
+                              "by default (0.0.0.0 lets any host that reaches this one scrape the run's metrics).")
+    metrics_port: int = Field(9400, ge=0, le=65535, description="TCP port; replica N listens on metrics_port + N. "
+                              "0 picks a free one. The bound address is written to log_dir/probe-<N>.metrics_url.")
 
 
 DEFAULT_RUBRIC = """You are grading one episode of an AI agent working on a task.

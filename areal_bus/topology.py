@@ -22,7 +22,7 @@ from typing import Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
-from areal_bus.node_configs import GatewayConfig, NoConfig, RewardNodeConfig
+from areal_bus.node_configs import GatewayConfig, NoConfig, ProbeConfig, RewardNodeConfig
 
 NODE_KINDS = ("bus", "gateway", "agent", "rollout", "reward", "trainer", "weights", "probe")
 
@@ -216,6 +216,11 @@ class RewardSpec(NodeSpec):
                                      "(areal_bus/node_configs.py: RewardNodeConfig).")
 
 
+class ProbeSpec(NodeSpec):
+    config: ProbeConfig = Field(default_factory=ProbeConfig, description="The probe's Prometheus endpoint "
+                                "(areal_bus/node_configs.py: ProbeConfig).")
+
+
 class Nodes(_Strict):
     """``nodes``: the node kinds to run, each with its own config schema. A kind left out keeps its
     defaults (and runs, but for the optional gateway and probe: see ``Topology.replicas``)."""
@@ -227,7 +232,8 @@ class Nodes(_Strict):
     reward: RewardSpec = Field(default_factory=RewardSpec, description="Scores trajectories.")
     trainer: NodeSpec = Field(default_factory=NodeSpec, description="The trainer (trainer_engine.*).")
     weights: NodeSpec = Field(default_factory=NodeSpec, description="The weight broadcaster.")
-    probe: NodeSpec = Field(default_factory=NodeSpec, description="The throughput probe (runs only when listed).")
+    probe: ProbeSpec = Field(default_factory=ProbeSpec, description="The throughput probe and its Prometheus "
+                             "endpoint (runs only when listed).")
 
     def get(self, kind: str) -> NodeSpec | None:
         """The spec of ``kind`` if the topology lists it, else None."""

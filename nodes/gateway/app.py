@@ -270,6 +270,7 @@ class Gateway(PolicyChat, AnthropicRoutes, RLRoutes):
             shown = json.dumps(resp, default=str)[:2000]
             raise OpenAIError(502, f"The upstream for '{model}' returned a response without choices: {shown}",
                               type="upstream_error", code="no_choices")
+        self.metrics.observe_seconds("gateway.latency_seconds", time.monotonic() - t0)  # Prometheus' histogram
         self.log.info("request", route="chat", model=model, routed_to="router",
                       ms=round((time.monotonic() - t0) * 1000))
         return resp

@@ -126,6 +126,7 @@ class PolicyChat:
 
         resp = self._response(req, rid or f"chatcmpl-{session.id}-{indices[0]}", outs, int(prompt.size))
         completion_tokens = resp["usage"]["completion_tokens"]
+        self.metrics.observe_seconds("gateway.latency_seconds", time.monotonic() - t0)  # Prometheus' histogram
         # Rendered once this handler has handed its response to the transport (call_soon runs after the
         # current step; lines keep their order): the line costs the loop, not this request's latency.
         loop.call_soon(functools.partial(
