@@ -1,12 +1,15 @@
 """The ``areal-bus`` command.
 
+  areal-bus run [supervisord.conf | TOPOLOGY]      the main command: run to the end with a progress line;
+                                                    exit 0 when training finished, 1 with the reason if not
   areal-bus render TOPOLOGY [-o supervisord.conf]   write the supervisord.conf for a topology
   areal-bus validate TOPOLOGY                       check a topology and the files it names, print it resolved
   areal-bus node KIND --topology T [--replica N]    run one node (what supervisord runs)
   areal-bus node trainer --topology T --resume      continue a run from its newest checkpoint
   areal-bus probe [--topology T] [--json]           attach to a running system, print throughput
   areal-bus plot --log-dir logs --metric reward     loss|reward|throughput|staleness curve as a PNG
-  areal-bus run-end [--program trainer]             supervisord event listener: stop when training ends
+  areal-bus run-end [--program trainer]             supervisord event listener: end the run when training
+                                                    ends or a node cannot run (areal_bus/runend.py)
   areal-bus keys --out keys                         a CURVE keypair for tcp between hosts (endpoints.curve)
   areal-bus check-channel --config configs/router.yaml --model policy_model
                                                     one request through the model router: the reply,
@@ -108,12 +111,27 @@ def cmd_plot(args) -> int:
     from areal_bus.plot import plot
 
     try:
-        out = plot(args.log_dir, args.metric, args.output)
+        out, note = plot(args.log_dir, args.metric, args.output)
     except (FileNotFoundError, ValueError) as err:
         print(f"areal-bus plot: {err}", file=sys.stderr)
         return 2
+    if note:  # never two runs spliced into one curve: say which one this is
+        print(f"areal-bus plot: {note}", file=sys.stderr)
     print(f"wrote {out}")
     return 0
+
+
+def cmd_run(args) -> int:
+    from areal_bus.run import RunError, run
+
+    if not Path(args.target).exists():
+        print(f"areal-bus run: {args.target} not found", file=sys.stderr)
+        return 2
+    try:
+        return run(args.target, args.output)
+    except RunError as err:
+        print(f"areal-bus run: {err}", file=sys.stderr)
+        return 2
 
 
 def cmd_run_end(args) -> int:
@@ -147,6 +165,10 @@ def cmd_check_channel(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="areal-bus", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
+    rn = sub.add_parser("run", help="run a topology (or its rendered conf) to the end; non-zero exit if it fails")
+    rn.add_argument("target", nargs="?", default="supervisord.conf", help="supervisord.conf or a topology YAML")
+    rn.add_argument("-o", "--output", default=None, help="where a topology's conf is rendered (default <stem>.conf)")
+    rn.set_defaults(fn=cmd_run)
     r = sub.add_parser("render", help="write a supervisord.conf for a topology")
     r.add_argument("topology")
     r.add_argument("-o", "--output", default="supervisord.conf")
@@ -172,7 +194,8 @@ def main(argv=None) -> int:
     pl.add_argument("--metric", default="reward", choices=("loss", "reward", "throughput", "staleness"))
     pl.add_argument("--output", default=None, help="PNG path (default: <log-dir>/<metric>.png)")
     pl.set_defaults(fn=cmd_plot)
-    e = sub.add_parser("run-end", help="supervisord event listener that ends the run with the trainer")
+    e = sub.add_parser("run-end", help="supervisord event listener: ends the run when the trainer "
+                       "finishes or a node cannot run")
     e.add_argument("--program", default="trainer")
     e.set_defaults(fn=cmd_run_end)
     k = sub.add_parser("keys", help="write the cluster's CURVE keypair (endpoints.curve.key names the secret file)")

@@ -1,7 +1,10 @@
 """``areal-bus plot``: curves from a run's logs, as a PNG.
 
 Reads ``<log_dir>/train_steps.jsonl`` (one record per update, written by the trainer) and plots one
-metric against the train step:
+metric against the train step, for one run only: each record carries its run (the trainer's run
+epoch, ``run``), and a file holding several runs (supervisord started twice by hand on one log_dir)
+gets its newest plotted, with a note naming the others; ``areal-bus run`` moves a previous run's logs
+to ``<log_dir>/runs/`` first, so there the file holds one run.
 
   loss        the update's loss
   reward      mean training reward per update, and the held-out evaluation reward where recorded
@@ -14,28 +17,53 @@ Run: areal-bus plot --log-dir logs --metric reward --output reward.png
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 METRICS = ("loss", "reward", "throughput", "staleness")
 
 
-def load_steps(log_dir: str | Path) -> list[dict]:
+@dataclass
+class Steps:
+    """The records of one run (the last of each step), and what else the file held."""
+
+    records: list[dict]
+    run: str | None  # the run epoch; None for records written before the trainer named its run
+    others: list[str] = field(default_factory=list)  # the older runs left out, oldest first
+
+    @property
+    def note(self) -> str | None:
+        """The words for the runs left out, or None when the file held only this one."""
+        if not self.others:
+            return None
+        return (f"the file holds {len(self.others) + 1} runs; plotted the newest, run {self.run or '(unnamed)'} "
+                f"(steps {self.records[0]['step']}-{self.records[-1]['step']}), not "
+                f"{', '.join(r or '(unnamed)' for r in self.others)}")
+
+
+def load_steps(log_dir: str | Path) -> Steps:
     path = Path(log_dir) / "train_steps.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: is --log-dir the run's logging.log_dir?")
-    records = []
+    runs: dict[str | None, list[dict]] = {}  # in order of first appearance; the newest is the last record's
+    last = None
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
             try:
-                records.append(json.loads(line))
+                rec = json.loads(line)
             except json.JSONDecodeError:
                 raise ValueError(f"{path}:{n}: not a JSON record") from None
-    # A resumed run appends to the same file: keep the last record of each step.
-    by_step = {r["step"]: r for r in records if "step" in r}
-    return [by_step[s] for s in sorted(by_step)]
+            if "step" in rec:
+                last = rec.get("run")
+                runs.setdefault(last, []).append(rec)
+    # A trainer that supervisord restarted re-trains from its checkpoint in the same run: keep the
+    # last record of each step.
+    by_step = {r["step"]: r for r in runs.get(last, [])}
+    return Steps([by_step[s] for s in sorted(by_step)], last, [r for r in runs if r != last])
 
 
-def plot(log_dir: str | Path, metric: str, output: str | Path) -> Path:
+def plot(log_dir: str | Path, metric: str, output: str | Path) -> tuple[Path, str | None]:
+    """Write the PNG; returns its path and the note on runs left out (None when there were none)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers
@@ -43,7 +71,8 @@ def plot(log_dir: str | Path, metric: str, output: str | Path) -> Path:
 
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
-    steps = load_steps(log_dir)
+    run = load_steps(log_dir)
+    steps = run.records
     if not steps:
         raise ValueError(f"{log_dir}: no train steps recorded yet")
     x = [r["step"] for r in steps]
@@ -72,11 +101,11 @@ def plot(log_dir: str | Path, metric: str, output: str | Path) -> Path:
             bottom = [b + s for b, s in zip(bottom, share)]
     ax.set_xlabel("train step")
     ax.set_ylabel(metric)
-    ax.set_title(f"{metric} — {Path(log_dir).resolve().name}")
+    ax.set_title(f"{metric} — {Path(log_dir).resolve().name}" + (f", run {run.run}" if run.others else ""))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     output = Path(output)
     fig.savefig(output)
     plt.close(fig)
-    return output
+    return output, run.note

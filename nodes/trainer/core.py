@@ -107,7 +107,8 @@ class Job:
 class Out:
     """What to do, in this order: ledger records, the weights to export (then ``on_exported``), hub
     messages, the WeightsReady to (re)send, buffers to release, log lines, train_steps.jsonl lines (the
-    node adds the wall-clock ``t_end``), and the job to start on the compute thread."""
+    node adds the wall-clock ``t_end`` and the run epoch ``run``), and the job to start on the compute
+    thread."""
 
     ledger: list[tuple[str, dict]] = field(default_factory=list)  # (event, fields)
     export: int | None = None

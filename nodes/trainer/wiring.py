@@ -59,8 +59,8 @@ class TrainerIO:
             self.engine.release(version)
         for level, name, fields in out.logs:
             getattr(self.shell.log, level)(name, **fields)
-        for line in out.steps:
-            self.steps.write(json.dumps({"t_end": time.time(), **line}) + "\n")
+        for line in out.steps:  # "run": the run epoch, so `areal-bus plot` never splices two runs
+            self.steps.write(json.dumps({"t_end": time.time(), "run": self.core.epoch, **line}) + "\n")
         if out.job is not None:
             self.job = self.pool.submit(self._work, out.job), out.job
 
