@@ -47,6 +47,12 @@ normal case; duplicates are harmless anyway (the trainer drops them by id)."""
 REISSUE_UNCLAIMED_S = 20.0
 """A generation request that no live rollout worker has claimed for this long is issued again."""
 
+ROLLOUT_DRAIN_S = 5.0
+"""How long a rollout worker told to stop (scaled away) may go on finishing the requests it runs
+before it hands the rest back. Half of supervisord's stopwaitsecs (10 s), so it exits by itself, with
+LINGER_MS to spare, before SIGKILL; long enough for the tiny model's and the simulated engine's
+generations, while a long GPU generation cut off here is reissued and costs only its recomputation."""
+
 LINGER_MS = 500
 """How long close() may wait to flush queued messages. Nodes shut down on SIGTERM; half a second is
 enough to hand over acks and final metrics without holding up supervisord's stop."""

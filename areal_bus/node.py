@@ -6,7 +6,11 @@ current policy version. Node kinds (``nodes/``) keep their logic in a core class
 sockets and use a shell to reach the bus.
 
 The heartbeat thread has a PUB socket of its own (ZeroMQ sockets are not thread-safe), so a node in
-a long compute step (a trainer update) keeps heartbeating and is not taken for dead.
+a long compute step (a trainer update) keeps heartbeating and is not taken for dead. It goes on after
+SIGTERM until the node closes or ``leave``s, so a node finishing its work on the way out (a rollout
+worker removed by a rescale) is not taken for dead meanwhile. A node that exits on purpose says so
+(``leave``, which ``close`` does): peers take it for dead at once instead of after the liveness
+timeout, so what it held is reissued now. A node killed outright says nothing; the timeout covers it.
 """
 
 from __future__ import annotations
@@ -42,6 +46,17 @@ class Peer:
     version: int
     inflight: list
     alive: bool = True
+    left: bool = False  # said it was leaving: its incarnation's late heartbeats are stale
+
+
+LEFT = "node_left"
+"""The Event a node publishes on the heartbeat topic as it goes (``NodeShell.leave``). On that topic
+because every node subscribes to it: liveness news travels with liveness."""
+
+LEAVING = "node_leaving"
+"""The Event a rollout worker told to stop sends each gateway over ``gwork`` before it finishes what it
+runs: ``fields["held"]`` lists the requests it will still answer; the gateway sends it no new work and
+sends its other requests for that worker elsewhere at once."""
 
 
 class PeerTable:
@@ -52,8 +67,12 @@ class PeerTable:
         self.peers: dict[str, Peer] = {}
 
     def update(self, hb: m.Heartbeat, now: float) -> str | None:
-        """Record a heartbeat. Returns 'joined', 'restarted' or 'revived' when that happened."""
+        """Record a heartbeat. Returns 'joined', 'restarted' or 'revived' when that happened, 'stale'
+        for a heartbeat of an incarnation that left (sent before it said so, arriving after: the
+        heartbeat thread's socket is not the one that said it), which is not recorded."""
         peer = self.peers.get(hb.node_id)
+        if peer is not None and peer.left and peer.incarnation == hb.incarnation:
+            return "stale"
         change = None
         if peer is None:
             change = "joined"
@@ -72,6 +91,17 @@ class PeerTable:
                 peer.alive = False
                 dead.append(peer)
         return dead
+
+    def leave(self, node_id: str, incarnation: str) -> Peer | None:
+        """A peer said it is going: dead from now on (returned, once), not after the timeout."""
+        peer = self.peers.get(node_id)
+        if peer is None or peer.incarnation != incarnation or peer.left:
+            return None
+        peer.left = True
+        if not peer.alive:  # already expired: reported as dead then
+            return None
+        peer.alive = False
+        return peer
 
     def alive(self, kind: str | None = None) -> list[Peer]:
         return [p for p in self.peers.values() if p.alive and (kind is None or p.kind == kind)]
@@ -100,7 +130,9 @@ class NodeShell:
         self.peers = PeerTable()
         self.watch = set(watch)
         self.inflight: list = []  # read by the heartbeat thread; nodes replace it, never mutate it
-        self.stopping = threading.Event()
+        self.stopping = threading.Event()  # set on SIGTERM: the main loop winds down
+        self._hb_stop = threading.Event()  # set when the node closes or leaves: heartbeats end
+        self._left = False
         self.pub = open_socket(self.ctx, zmq.PUB, self.endpoint("hub_in"), bind=False, hwm=PUB_HWM)
         self.sub = open_socket(self.ctx, zmq.SUB, self.endpoint("hub_out"), bind=False, hwm=PUB_HWM,
                                subscribe=(m.TOPIC_HEARTBEAT, *topics))
@@ -138,7 +170,7 @@ class NodeShell:
         sock = open_socket(self.ctx, zmq.PUB, self.endpoint("hub_in"), bind=False, hwm=PUB_HWM)
         enc = Encoder(self.node_id + "/hb")
         try:
-            while not self.stopping.wait(HEARTBEAT_INTERVAL_S):
+            while not self._hb_stop.wait(HEARTBEAT_INTERVAL_S):
                 sock.send_multipart(pack_topic(m.TOPIC_HEARTBEAT, enc.encode(self.heartbeat())), copy=False)
         finally:
             sock.close()
@@ -159,15 +191,35 @@ class NodeShell:
         self.log.warning(name, **fields)
         self.publish(m.TOPIC_EVENT, m.Event(name=name, node_id=self.node_id, fields=fields))
 
+    def leave(self) -> None:
+        """Say on the hub that this incarnation is going, after its last heartbeat: peers take it for
+        dead at once (what it held is reissued now, not after the liveness timeout). ``close`` does it
+        for every node; a node calls it itself once nothing is left to answer, before closing."""
+        if self._left:
+            return
+        self._left = True
+        self._stop_heartbeat()
+        self.publish(m.TOPIC_HEARTBEAT, m.Event(name=LEFT, node_id=self.node_id,
+                                                fields={"kind": self.kind, "incarnation": self.incarnation}))
+
     def drain_hub(self) -> list:
-        """Hub messages waiting now. Heartbeats update the peer table (and are returned too)."""
+        """Hub messages waiting now. Heartbeats update the peer table (and are returned too); a peer's
+        leaving notice comes out as a ``peer_left`` Event (kind in its fields) for a watched kind."""
         out = []
         now = time.monotonic()
         for env, msg in self.hub.drain():
+            if isinstance(msg, m.Event) and msg.name == LEFT:
+                peer = self.peers.leave(msg.node_id, str(msg.fields.get("incarnation", "")))
+                if peer is not None and peer.kind in self.watch:
+                    self.log.info("peer_left", peer=peer.node_id)
+                    out.append((env, m.Event(name="peer_left", node_id=peer.node_id, fields={"kind": peer.kind})))
+                continue
             if isinstance(msg, m.Heartbeat):
                 if msg.node_id == self.node_id:
                     continue
                 change = self.peers.update(msg, now)
+                if change == "stale":
+                    continue
                 if change and msg.kind in self.watch:
                     if change == "joined":
                         self.log.info("peer_joined", peer=msg.node_id)
@@ -184,9 +236,13 @@ class NodeShell:
         return out
 
     # -- teardown -------------------------------------------------------------------------------
-    def close(self) -> None:
-        self.stopping.set()
+    def _stop_heartbeat(self) -> None:
+        self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=2)
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.leave()
         # destroy() closes every socket made from this context, the node's own data sockets included.
         self.ctx.destroy(linger=LINGER_MS)

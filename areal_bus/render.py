@@ -1,10 +1,17 @@
-"""Render a topology to a supervisord.conf: one program per node kind, numprocs for replicas.
+"""Render a topology to a supervisord.conf: one program per process, ``<kind>-<replica>``.
 
-Every path in the output is relative to the conf's own folder through supervisord's ``%(here)s``, so
+Why a program per replica and not one per kind with ``numprocs``: ``supervisorctl update`` compares
+each process group's whole config with the running one, and a program with numprocs is one group, so
+changing its count restarts every process of it. Each replica being a group of its own (no
+``[group:...]`` section gathering them, which would be one group again), scaling a kind only adds or
+removes the groups of the replicas that came or went: the others' configs are the same, and they keep
+running. Every path in the output is relative to the conf's own folder through supervisord's ``%(here)s``, so
 the checked-in supervisord.conf is the same bytes on every machine (a test keeps it equal to the
 render of topology/default.yaml). Programs restart only on unexpected exits; the trainer exits 0
 after max_steps, and the ``run_end`` event listener then shuts supervisord down, so a run ends by
-itself. Scaling: edit the topology, re-render, ``supervisorctl -c supervisord.conf update``.
+itself. Scaling: edit the topology, re-render, ``supervisorctl -c supervisord.conf update``: added
+replicas start, removed ones get SIGTERM (a rollout worker finishes what it runs and leaves, so what
+it held is answered or handed back at once), nothing else is touched.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from areal_bus.runend import EVENTS
 from areal_bus.topology import Topology
 
 # Start order: the hub first, consumers before producers (ZeroMQ reconnects either way; this only
@@ -32,6 +40,38 @@ PATH_ENV = 'environment=PATH="%(here)s/.venv/bin:%(ENV_PATH)s"'
 
 def _here(path: str) -> str:
     return path if os.path.isabs(path) else f"%(here)s/{path}"
+
+
+def program_name(kind: str, replica: int) -> str:
+    """The supervisord program (and process) of one replica: also its node id and its log's name."""
+    return f"{kind}-{replica}"
+
+
+def _program(kind: str, replica: int, topo_rel: str, sup: str) -> list[str]:
+    # Nothing here may depend on the number of replicas: a line that did would change every
+    # replica's config on a rescale, and `update` would restart them all.
+    name = program_name(kind, replica)
+    return [
+        f"[program:{name}]",
+        f"command=areal-bus node {kind} --topology %(here)s/{topo_rel} --replica {replica}",
+        "directory=%(here)s",
+        PATH_ENV,
+        f"priority={PRIORITY[kind]}",
+        "autostart=true",
+        "autorestart=unexpected",
+        "exitcodes=0",
+        "startsecs=1",
+        "startretries=20",
+        "stopsignal=TERM",
+        f"stopwaitsecs={STOP_WAIT_S}",
+        "stopasgroup=true",
+        "killasgroup=true",
+        "redirect_stderr=true",
+        f"stdout_logfile={sup}/{name}.log",
+        "stdout_logfile_maxbytes=20MB",
+        "stdout_logfile_backups=2",
+        "",
+    ]
 
 
 def render(topo: Topology, topology_path: str | os.PathLike, conf_dir: str | os.PathLike) -> str:
@@ -62,36 +102,12 @@ def render(topo: Topology, topology_path: str | os.PathLike, conf_dir: str | os.
         "",
     ]
     for kind in sorted(PRIORITY, key=lambda k: (PRIORITY[k], k)):
-        n = topo.replicas(kind)
-        if n == 0:
-            continue
-        out += [
-            f"[program:{kind}]",
-            f"command=areal-bus node {kind} --topology %(here)s/{topo_rel} --replica %(process_num)d",
-            "process_name=%(program_name)s-%(process_num)d",
-            f"numprocs={n}",
-            "directory=%(here)s",
-            PATH_ENV,
-            f"priority={PRIORITY[kind]}",
-            "autostart=true",
-            "autorestart=unexpected",
-            "exitcodes=0",
-            "startsecs=1",
-            "startretries=20",
-            "stopsignal=TERM",
-            f"stopwaitsecs={STOP_WAIT_S}",
-            "stopasgroup=true",
-            "killasgroup=true",
-            "redirect_stderr=true",
-            f"stdout_logfile={sup}/%(program_name)s-%(process_num)d.log",
-            "stdout_logfile_maxbytes=20MB",
-            "stdout_logfile_backups=2",
-            "",
-        ]
+        for replica in range(topo.replicas(kind)):
+            out += _program(kind, replica, topo_rel, sup)
     out += [
         "[eventlistener:run_end]",
-        "command=areal-bus run-end --program trainer",
-        "events=PROCESS_STATE_EXITED",
+        f"command=areal-bus run-end --program {program_name('trainer', 0)}",
+        f"events={EVENTS}",
         "directory=%(here)s",
         PATH_ENV,
         "autorestart=true",

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from areal_bus.ledger import audit, read  # noqa: E402
-from areal_bus.render import write_conf  # noqa: E402
+from areal_bus.render import program_name, write_conf  # noqa: E402
 from areal_bus.topology import NODE_KINDS, parse_topology  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -94,13 +94,14 @@ class Supervised:
         got = {}
         for line in out.splitlines():
             parts = line.split()
-            if len(parts) >= 2 and ":" in parts[0]:
+            if len(parts) >= 2 and parts[0] in self.processes():
                 pid = int(parts[3].rstrip(",")) if len(parts) > 3 and parts[2] == "pid" else None
                 got[parts[0]] = (parts[1], pid)
         return got
 
     def processes(self) -> list[str]:
-        return [f"{k}:{k}-{i}" for k in NODE_KINDS for i in range(self.topo.replicas(k))]
+        # A supervisord program per replica, named as its node (areal_bus.render.program_name).
+        return [program_name(k, i) for k in NODE_KINDS for i in range(self.topo.replicas(k))]
 
     def running(self) -> bool:
         return self.proc.poll() is None
@@ -183,14 +184,14 @@ def one_run(name: str, topo: dict, kills: int, rng: random.Random, keep: Path | 
         sysm.start()
         sysm.wait_all_running(60)
         procs = sysm.processes()
-        kinds = sorted({p.split(":")[0] for p in procs} - {"bus", "probe"})
+        kinds = sorted({p.rsplit("-", 1)[0] for p in procs} - {"bus", "probe"})
         # Every kind at least once (in random order), then kinds at random; a replica at random.
         plan = rng.sample(kinds, len(kinds)) + [rng.choice(kinds) for _ in range(max(0, kills - len(kinds)))]
         for kind in plan[:kills]:
             time.sleep(rng.uniform(*gap))
             if not sysm.running():
                 break
-            target = rng.choice([p for p in procs if p.startswith(f"{kind}:")])
+            target = rng.choice([p for p in procs if p.rsplit("-", 1)[0] == kind])
             if sysm.kill(target):
                 done[kind] += 1
                 print(f"  {name}: kill -9 {target} ({sum(done.values())}/{kills})", flush=True)

@@ -3,8 +3,9 @@
 Generation requests go out on the agent's ``work`` channel (PUSH, so idle workers take them),
 completions come back on ``replies``; finished episodes go to the reward node (or the trainer) through
 a ReliableSender, kept until the trainer acknowledges them and resent when their consumer restarts. The
-hub brings versions, acks, the run state, the workers' claims (their heartbeats) and peer deaths, after
-which what the dead worker held is issued again.
+hub brings versions, acks, the run state, the workers' claims (their heartbeats) and peer deaths or
+departures (a worker removed by a rescale says it leaves), after which what that worker held is issued
+again.
 
 Run: areal-bus node agent --topology topology/sim.yaml --replica 0
 """
@@ -40,10 +41,11 @@ def on_hub(shell, src: EpisodeSource, sender: ReliableSender, consumer_kind: str
             sender.settle(msg)  # admission counts come from the run state, not from acks
         elif isinstance(msg, m.Heartbeat) and msg.kind == "rollout":
             src.on_claims(msg.node_id, msg.inflight)
-        elif isinstance(msg, m.Event) and msg.name == "peer_dead" and msg.fields.get("kind") == "rollout":
+        elif isinstance(msg, m.Event) and msg.name in ("peer_dead", "peer_left") and msg.fields.get("kind") == "rollout":
+            # A worker that left (scaled away) answered what it could first: the rest is ours again now.
             n = src.reissue(msg.node_id, now)
             if n:
-                shell.log.warning("reissued", requests=n, dead_worker=msg.node_id)
+                shell.log.warning("reissued", requests=n, dead_worker=msg.node_id, why=msg.name)
         elif isinstance(msg, m.Event) and msg.name == "peer_restarted" and msg.fields.get("kind") == consumer_kind:
             shell.log.warning("resent", trajectories=sender.resend(), reason=f"{msg.node_id} restarted")
         elif isinstance(msg, m.RunState):

@@ -5,6 +5,8 @@ so the gateway can address a worker: requests of one session go to the same work
 (sticky, so its prefix cache stays useful), new sessions go to the least loaded live worker. Workers
 are known from their heartbeats on the hub. A request whose worker dies (or that no worker answers
 within a deadline) is sent to another worker under the same id; a late duplicate answer is dropped.
+A worker that is leaving (scaled away) says so first, with the requests it will still finish: it gets
+no new work, and what it will not finish goes to another worker at once (the rest when it is gone).
 A streamed request (``on_tokens``) gets the worker's PartialCompletions as they come; one whose worker
 dies after some of its tokens went out fails instead (another worker would sample other tokens, and
 what the client saw cannot be taken back).
@@ -23,6 +25,7 @@ import zmq.asyncio
 
 from areal_bus import messages as m
 from areal_bus.codec import DecodeError, Encoder, decode
+from areal_bus.node import LEAVING
 from areal_bus.security import secure
 from nodes.gateway.backend import SamplingParams
 
@@ -33,9 +36,18 @@ takes seconds on a GPU; two minutes only fires for a worker that is stuck withou
 NO_WORKER_WAIT_S = 30.0
 """How long a request waits for any rollout worker to be alive before the client gets an error."""
 
+UNREACHABLE_RETRY_S = 0.05
+"""How soon a request is tried again when every live worker refused it as not connected: a worker is
+known from its heartbeat before its DEALER has (re)connected to us (the gateway just started, the
+worker just joined), and ZeroMQ reconnects every 100 ms. Tried for up to NO_WORKER_WAIT_S."""
+
 
 class NoWorker(RuntimeError):
     """No rollout worker is alive: the client gets a 503 with this message."""
+
+
+class Unreachable(NoWorker):
+    """Workers are alive but none has its DEALER connected to us (yet): worth trying again shortly."""
 
 
 class StreamBroken(RuntimeError):
@@ -64,6 +76,7 @@ class BusBackend:
         self.encoder = encoder
         self.metrics = metrics
         self.live: set[str] = set()
+        self.leaving: set[str] = set()  # live, finishing what they hold, taking nothing new
         self.load: collections.Counter[str] = collections.Counter()
         self.sticky: dict[str, str] = {}
         self.pending: dict[str, _Pending] = {}
@@ -76,21 +89,54 @@ class BusBackend:
         """The live rollout workers, from the hub. Requests held by a worker that left are resent."""
         gone = self.live - workers
         self.live = set(workers)
-        for session, worker in list(self.sticky.items()):
-            if worker in gone:
-                del self.sticky[session]
-        if gone:
-            for rid, p in list(self.pending.items()):
-                if p.worker in gone and not p.fut.done():
-                    try:
-                        self._send(rid, p.fut, p.frames, None, p.on_tokens)
-                    except (NoWorker, StreamBroken) as err:  # the last worker went: this client gets a 503 now
-                        p.fut.set_exception(err)
+        self.leaving &= self.live  # one gone from the hub is done leaving; a new one of that name starts afresh
+        self._move_from(gone)
 
-    def _pick(self, session: str | None) -> str:
-        if session and self.sticky.get(session) in self.live:
+    def on_leaving(self, worker: str, held: set[str]) -> None:
+        """``worker`` takes no new work and answers only ``held``: the rest of its requests move now."""
+        self.leaving.add(worker)
+        self._move_from({worker}, keep=held)
+
+    def _move_from(self, workers: set[str], keep: set[str] = frozenset()) -> None:
+        """Resend the requests held by ``workers`` (but those in ``keep``) to other workers."""
+        if not workers:
+            return
+        for session, worker in list(self.sticky.items()):
+            if worker in workers:
+                del self.sticky[session]
+        for rid, p in list(self.pending.items()):
+            if p.worker in workers and rid not in keep and not p.fut.done():
+                self.metrics.inc("gateway.moved")
+                self._place(rid, p.fut, p.frames, None, p.on_tokens)
+
+    def _place(self, rid: str, fut: asyncio.Future, frames: list, session: str | None, on_tokens=None,
+               give_up_at: float | None = None) -> None:
+        """Send, or, while live workers are not connected yet, try again every UNREACHABLE_RETRY_S
+        until ``give_up_at``; the client's error only when no worker is alive (or a stream broke)."""
+        if fut.done():
+            return
+        loop = fut.get_loop()
+        give_up_at = loop.time() + NO_WORKER_WAIT_S if give_up_at is None else give_up_at
+        try:
+            self._send(rid, fut, frames, session, on_tokens)
+        except Unreachable as err:
+            if loop.time() >= give_up_at:
+                fut.set_exception(err)
+                return
+            self.metrics.inc("gateway.unreachable_retries")
+            loop.call_later(UNREACHABLE_RETRY_S, self._place, rid, fut, frames, session, on_tokens, give_up_at)
+        except (NoWorker, StreamBroken) as err:  # the last worker went: this client gets a 503 now
+            fut.set_exception(err)
+
+    @property
+    def candidates(self) -> list[str]:
+        """Workers that may take a new request: live and not leaving."""
+        return sorted(self.live - self.leaving)
+
+    def _pick(self, session: str | None, options: list[str]) -> str:
+        if session and self.sticky.get(session) in options:
             return self.sticky[session]
-        worker = min(sorted(self.live), key=lambda w: self.load[w])
+        worker = min(options, key=lambda w: self.load[w])
         if session:
             self.sticky[session] = worker
         return worker
@@ -100,23 +146,26 @@ class BusBackend:
         if old is not None and old.streamed:
             raise StreamBroken("the rollout worker streaming this completion is gone; what was streamed cannot "
                                "be continued by another worker: retry the request")
-        for _ in range(len(self.live)):
-            worker = self._pick(session)
+        options = self.candidates
+        if not options:
+            raise NoWorker("no rollout worker is alive")
+        while options:
+            worker = self._pick(session, options)
             # zmq.asyncio does not raise a failed send: a NOBLOCK send is tried at once and its error
             # (EHOSTUNREACH from ROUTER_MANDATORY: the worker's DEALER is not connected) is set on the
             # returned future, already done. Unchecked, the request would wait out REQUEST_DEADLINE_S.
             sent = self.sock.send_multipart([worker.encode(), *frames], flags=zmq.NOBLOCK, copy=False)
             if sent.done() and sent.exception() is not None:  # not connected (yet, or any more): try the next
-                self.live.discard(worker)
-                if session:
-                    self.sticky.pop(session, None)
+                options = [w for w in options if w != worker]
+                if session and self.sticky.get(session) == worker:
+                    del self.sticky[session]
                 continue
             if old is not None:
                 self.load[old.worker] -= 1
             self.pending[rid] = _Pending(fut, worker, frames, on_tokens)
             self.load[worker] += 1
             return
-        raise NoWorker("no rollout worker is reachable")
+        raise Unreachable("no rollout worker is reachable")
 
     def start(self) -> None:
         """Read gwork from now on, not from the first request: a frame that arrives earlier (a stray
@@ -131,7 +180,7 @@ class BusBackend:
         the worker reports while it generates (``start``: their index in the output)."""
         self.start()
         waited = 0.0
-        while not self.live:
+        while not self.candidates:
             if waited >= NO_WORKER_WAIT_S:
                 raise NoWorker(f"no rollout worker alive after {NO_WORKER_WAIT_S:.0f} s")
             await asyncio.sleep(0.1)
@@ -144,17 +193,13 @@ class BusBackend:
         frames = self.encoder.encode(req)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._send(rid, fut, frames, session_id or None, on_tokens)
+        self._place(rid, fut, frames, session_id or None, on_tokens)
 
         def overdue():  # one timer per request (cheaper than wait_for): resend to another worker
             nonlocal timer
             if not fut.done():
                 self.metrics.inc("gateway.resent")
-                try:
-                    self._send(rid, fut, frames, None, on_tokens)
-                except (NoWorker, StreamBroken) as err:
-                    fut.set_exception(err)
-                    return
+                self._place(rid, fut, frames, None, on_tokens)
                 timer = loop.call_later(REQUEST_DEADLINE_S, overdue)
 
         timer = loop.call_later(REQUEST_DEADLINE_S, overdue)
@@ -173,6 +218,14 @@ class BusBackend:
                 _, comp = decode(frames[1:])
             except DecodeError as err:
                 self.metrics.inc(f"dropped.{err.reason}")
+                continue
+            if isinstance(comp, m.Event) and comp.name == LEAVING:
+                held = comp.fields.get("held")
+                if not isinstance(held, list):  # not a notice we understand: nothing is kept back
+                    self.metrics.inc("dropped.bad_leaving_notice")
+                    held = []
+                # Named by its DEALER identity (what we address it by), not by what the message says.
+                self.on_leaving(frames[0].bytes.decode(errors="replace"), {str(rid) for rid in held})
                 continue
             entry = self.pending.get(getattr(comp, "request_id", ""))
             if isinstance(comp, m.PartialCompletion) and entry is not None and entry.on_tokens is not None:
