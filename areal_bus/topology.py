@@ -148,10 +148,12 @@ class RolloutEngineConfig(_Strict):
 class TrainerEngineConfig(_Strict):
     kind: Literal["sim", "torch"] = Field("sim", description="Training engine. 'sim' models time per token; "
                                           "'torch' trains model.path with the decoupled PPO objective.")
-    attn_implementation: str = Field("auto", min_length=1, description="torch: transformers' attention for the "
-                                     "trainer's packed rows. 'auto': 'areal_varlen' (FlashAttention varlen, within "
-                                     "each sample) on CUDA, 'sdpa' (a block-diagonal mask) on CPU; or any name "
-                                     "transformers knows ('flex_attention', 'flash_attention_2', ...).")
+    attn_implementation: str = Field("areal_varlen", min_length=1, description="torch: transformers' attention "
+                                     "for the trainer's packed rows. 'areal_varlen': attention within each sample "
+                                     "(FlashAttention varlen on CUDA, causal SDPA per sample on CPU; "
+                                     "areal_bus/train_model.py); or a name transformers knows ('sdpa' builds an "
+                                     "[N, N] block mask and computes every block of it: 3x slower on CPU, more "
+                                     "on GPUs; 'flex_attention', 'flash_attention_2', ...).")
     micro_batch_tokens: int = Field(16384, ge=16, le=10_000_000, description="torch: tokens packed into one "
                                     "forward and backward (gradients accumulate over a mini-batch's micro-batches). "
                                     "A longer sample gets one of its own. With parallelism.dp > 1 each rank packs "

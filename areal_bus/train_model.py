@@ -53,7 +53,10 @@ def _varlen_attention(module, query, key, value, attention_mask, scaling=None, d
     """transformers' attention-function signature: query [1, Hq, N, D], key/value [1, Hkv, N, D]; returns
     ([1, N, Hq, D], None). The samples' boundaries come as ``cu_seq_lens_q`` (FlashAttention's kwargs)."""
     cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
-    if cu is None and attention_mask is None:  # unpacked rows without padding: each row is one sample
+    # Unpacked rows: each row is one sample. transformers hands a registered custom attention no mask,
+    # so right padding is exact (causal attention never reaches the pads after a row's tokens); left
+    # padding would not be, and nothing here pads on the left.
+    if cu is None and attention_mask is None:
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
                                                                enable_gqa=True)
         return out.transpose(1, 2), None

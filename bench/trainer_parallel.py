@@ -62,7 +62,7 @@ def bench_topology(args, dp: int, tp: int) -> SimpleNamespace:
     return SimpleNamespace(
         trainer_engine=SimpleNamespace(kl_coef=0.0, ppo_epochs=1, eps_clip=0.2, eps_clip_high=None,
                                        behav_imp_weight_cap=5.0, grad_clip=1.0, adv_std_normalize=True,
-                                       adv_leave_one_out=False, attn_implementation="auto",
+                                       adv_leave_one_out=False, attn_implementation="areal_varlen",
                                        micro_batch_tokens=16384, logit_chunk_tokens=4096,
                                        gradient_checkpointing=False),
         model=SimpleNamespace(device=args.device, dtype=args.dtype, seed=0, threads=1),

@@ -7,7 +7,7 @@ version)`` is one policy update (one version):
   2. the batch is right-padded into [B, T] tensors (prompt + output tokens, the loss mask: policy tokens
      only, the behaviour log-probabilities the engine recorded): the form the parallel ranks receive;
   3. each mini-batch's rows (this rank's share) are packed without padding into micro-batches of at most
-     ``micro_batch_tokens`` tokens;
+     ``micro_batch_tokens`` tokens (attention within each sample: ``train_model.VARLEN``);
   4. proximal log-probabilities are recomputed once, with the weights as they stand before this update
      (the entropy of the policy is logged from the same pass);
   5. ``ppo_epochs`` passes of mini-batch steps of ``decoupled_ppo_loss``, gradients accumulated over the
@@ -73,10 +73,7 @@ class TorchTrainEngine:
         self.device = torch.device(device or topo.trainer_device)
         self.dtype = as_dtype(topo.model.dtype)
         torch.manual_seed(topo.model.seed)
-        attn = cfg.attn_implementation
-        if attn == "auto":
-            attn = "areal_varlen" if self.device.type == "cuda" else "sdpa"
-        load = lambda: load_policy(self.model_path, self.device, attn_implementation=attn,
+        load = lambda: load_policy(self.model_path, self.device, attn_implementation=cfg.attn_implementation,
                                    gradient_checkpointing=cfg.gradient_checkpointing)
         # What the update calls (a parallel layout shards it); ``model`` is the transformers model inside.
         self.policy = self._prepare_model(PackedLM(load().train().requires_grad_(True)))
