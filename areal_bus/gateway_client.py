@@ -25,7 +25,7 @@ GATEWAY_LOG = "logs/supervisor/gateway-0.log"
 """Where supervisord keeps the gateway's output (``<log_dir>/supervisor/<program>-<n>.log``, from the
 rendered supervisord.conf) with the default log_dir; the first place to look when it will not start."""
 
-GATEWAY_STATUS_CMD = "supervisorctl -c supervisord.conf status gateway"
+GATEWAY_STATUS_CMD = "supervisorctl -c supervisord.conf status gateway-0"
 
 BODY_SHOWN_CHARS = 600
 """An upstream's error body is shown on one line, cut here: enough for any provider's error object,

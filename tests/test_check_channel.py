@@ -109,7 +109,7 @@ def test_closed_port_names_host_port_and_the_gateway_log(tmp_path):
     line = one_failure_line(*check_channel(path))
     assert f"cannot reach 127.0.0.1:{port} (connection refused: nothing listens on that port)" in line
     assert f"api_gateway.base_url in {path}" in line
-    assert "supervisorctl -c supervisord.conf status gateway" in line and "logs/supervisor/gateway-0.log" in line
+    assert "supervisorctl -c supervisord.conf status gateway-0" in line and "logs/supervisor/gateway-0.log" in line
 
 
 # -- the shipped config against the shipped gateway -------------------------------------------------

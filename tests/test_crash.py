@@ -61,7 +61,7 @@ def _finish(system: System) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_killed_trainer_resumes_from_its_checkpoint_and_no_accepted_trajectory_is_lost_or_trained_twice(system):
-    _kill_mid_run(system, "trainer:trainer-0", after_steps=12)
+    _kill_mid_run(system, "trainer-0", after_steps=12)
     result = _finish(system)
     assert result["finished"] and result["accepted"] > 0, result
     assert result["lost"] == 0 and result["duplicated"] == 0 and result["unknown"] == 0, result
@@ -74,7 +74,7 @@ def test_killed_trainer_resumes_from_its_checkpoint_and_no_accepted_trajectory_i
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_killed_reward_node_loses_no_trajectory_it_held(system):
-    _kill_mid_run(system, "reward:reward-0", after_steps=12)
+    _kill_mid_run(system, "reward-0", after_steps=12)
     result = _finish(system)
     assert result["finished"] and result["lost"] == 0 and result["duplicated"] == 0 and result["unknown"] == 0, result
     assert result["trainer_incarnations"] == 1, result
