@@ -308,8 +308,9 @@ def make_app(cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, em
     template). router: ``await router.chat(model, request) -> response`` for other models (raises with
     ``.status`` / ``.body`` on failure). emit: ``emit(trajectory)`` for each ended session's
     trajectories, called on the event loop's thread (must not block; an exception keeps the trajectory
-    for a retry at the next sweep). admission: ``admission() -> (ok, retry_after_s)``, consulted once
-    per POST /rl/sessions (ok means the session is admitted: count it then). log: a structlog logger.
+    for a retry at the next sweep). admission: ``admission() -> (ticket | None, retry_after_s)``, consulted
+    once per POST /rl/sessions (a ticket means the session is admitted, with that admission slot, which
+    its requests carry; None means refused: a 429 with Retry-After). log: a structlog logger.
     metrics: an ``areal_bus.metrics.Metrics`` for the gateway's counters (the node's, so that they ride
     on its heartbeats; a fresh one if None).
     """
