@@ -234,7 +234,11 @@ class ProgressLine:
             print(plain_line(s, elapsed, running), file=self.console.file, flush=True)
 
 
-def _nodes_running(rpc) -> str:
+def _nodes_running(sock: Path) -> str:
+    from supervisor import childutils
+
+    # A new proxy each time: one whose call failed (no socket yet) stays broken (CannotSendRequest).
+    rpc = childutils.getRPCInterface({"SUPERVISOR_SERVER_URL": f"unix://{sock}"})
     try:
         states = [p["statename"] for p in rpc.supervisor.getAllProcessInfo() if p["group"] != "run_end"]
     except Exception:  # noqa: BLE001 -- supervisord still starting (no socket yet): nothing to count
@@ -281,9 +285,6 @@ def run(target: str, output: str | None = None) -> int:
 
 def _wait(proc: subprocess.Popen, t: Target, started: float) -> tuple[str | None, dict]:
     """Show progress until supervisord exits: (the signal that interrupted the run or None, the last summary)."""
-    from supervisor import childutils
-
-    rpc = childutils.getRPCInterface({"SUPERVISOR_SERVER_URL": f"unix://{t.log_dir / 'supervisor.sock'}"})
     got: list[tuple[str, float]] = []
 
     def stop(signum, _frame):
@@ -297,7 +298,7 @@ def _wait(proc: subprocess.Popen, t: Target, started: float) -> tuple[str | None
     try:
         while proc.poll() is None:
             tail.poll()
-            running = _nodes_running(rpc)
+            running = _nodes_running(t.log_dir / "supervisor.sock")
             line.show(summary(tail.records, t.topo.max_steps), time.time() - started, running)
             try:
                 proc.wait(POLL_S)

@@ -108,13 +108,19 @@ def should_stop(headers: dict, payload: str, program: str) -> bool:
 
 
 # -- what the verdict quotes, asked of supervisord --------------------------------------------------
-def exit_status(rpc, name: str) -> str | None:
+def _rpc():
+    # A new proxy for each call: a call that failed leaves xmlrpc's transport unusable for the next
+    # (CannotSendRequest), and the shutdown that follows must not depend on it.
+    return childutils.getRPCInterface(os.environ)
+
+
+def exit_status(name: str) -> str | None:
     """How ``name`` last exited, from supervisord's own log line ("exited: NAME (exit status 1; not
     expected)"). The EXITED event does not carry it, and by the time we could ask getProcessInfo
     supervisord may have respawned the process, which clears its exitstatus; the log line is
     written before the event is sent."""
     try:
-        tail = rpc.supervisor.readLog(-LOG_TAIL_BYTES, 0)
+        tail = _rpc().supervisor.readLog(-LOG_TAIL_BYTES, 0)
     except Exception:  # noqa: BLE001 -- no main log (logfile=NONE, syslog): an unknown status counts as an error
         return None
     found = re.findall(rf"exited: {re.escape(name)} \(([^;)]+)", tail)
@@ -134,9 +140,9 @@ def last_error(log: Path) -> str:
     return next((line.strip()[:240] for line in after if line and not line[0].isspace()), "")
 
 
-def process_log(rpc, process: str) -> Path | None:
+def process_log(process: str) -> Path | None:
     try:
-        log = rpc.supervisor.getProcessInfo(process).get("stdout_logfile")
+        log = _rpc().supervisor.getProcessInfo(process).get("stdout_logfile")
     except Exception:  # noqa: BLE001 -- the reason still names the process without its log
         return None
     return Path(log) if log else None
@@ -175,28 +181,27 @@ def describe(verdict: Verdict, log: Path | None) -> str:
     return f"run failed: {verdict.reason}{where}"
 
 
-def end(rpc, verdict: Verdict, outcome: Path | None) -> str:
-    log = None if verdict.ok else process_log(rpc, verdict.process)
+def end(verdict: Verdict, outcome: Path | None) -> str:
+    log = None if verdict.ok else process_log(verdict.process)
     line = describe(verdict, log)
     print(f"run_end: {line}; shutting supervisord down", file=sys.stderr, flush=True)
     if outcome is not None:
         write_outcome(outcome, status="ok" if verdict.ok else "failed", reason=line, process=verdict.process,
                       log=str(log) if log else None, ended=time.strftime("%Y-%m-%dT%H:%M:%S"))
-    rpc.supervisor.shutdown()
+    _rpc().supervisor.shutdown()
     return line
 
 
 def listen(program: str = "trainer") -> int:
     watch = RunWatch(program)
-    rpc = childutils.getRPCInterface(os.environ)
     outcome = outcome_path()
     while True:
         headers, payload = childutils.listener.wait(sys.stdin, sys.stdout)
         childutils.listener.ok(sys.stdout)
         fields, _ = childutils.eventdata(payload + "\n")
         event = headers.get("eventname", "")
-        status = exit_status(rpc, fields.get("processname", "")) \
+        status = exit_status(fields.get("processname", "")) \
             if event == "PROCESS_STATE_EXITED" and fields.get("expected") == "0" else None
         verdict = watch.on_event(event, fields, time.monotonic(), status)
         if verdict is not None:
-            end(rpc, verdict, outcome)
+            end(verdict, outcome)
