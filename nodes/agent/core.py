@@ -102,10 +102,10 @@ class EpisodeSource:
                 state, prompt, meta = self.driver.start(self.rng, self.count, seed=seed)
                 eid = f"{self.prefix}-{self.count}"
                 self.count += 1
-                # The slot in consumption order (stale drops give theirs back): slot // batch is the
-                # train step this sample is meant for, at most staleness steps ahead of training.
-                slot = self.admission.admitted * self.topo.replicas("agent") + self.replica
-                self.admission.admit(1)
+                # The admission ticket: ticket // trigger is the update this sample is admitted for, at
+                # most staleness_threshold ahead of training whatever batch the trainer takes (the
+                # gateway's sessions get theirs the same way).
+                slot = self.admission.admit(1)
                 rec = EpisodeRecord(eid, prompt, group_id=gid, ticket=slot, meta=meta)
                 self.episodes[eid] = _Episode(rec, state, "")
                 self._request(eid, now)
