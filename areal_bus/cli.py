@@ -104,7 +104,13 @@ def cmd_keys(args) -> int:
 
 def cmd_probe(args) -> int:
     topo, _ = _load(args.topology, files=False)  # it reads no file: attaching works from any folder
-    return _node_module("probe").attach(topo, interval=args.interval, duration=args.duration, as_json=args.json)
+    prometheus = None
+    if args.prometheus_port is not None:
+        from areal_bus.node_configs import ProbeConfig
+
+        prometheus = ProbeConfig(metrics_port=args.prometheus_port)
+    return _node_module("probe").attach(topo, interval=args.interval, duration=args.duration, as_json=args.json,
+                                        prometheus=prometheus)
 
 
 def cmd_plot(args) -> int:
@@ -188,6 +194,8 @@ def main(argv=None) -> int:
     pr.add_argument("--interval", type=float, default=2.0, help="seconds between reports")
     pr.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     pr.add_argument("--json", action="store_true", help="one JSON object per node per report")
+    pr.add_argument("--prometheus-port", type=int, default=None,
+                    help="also serve /metrics (Prometheus exposition) on 127.0.0.1:PORT (0: a free port)")
     pr.set_defaults(fn=cmd_probe)
     pl = sub.add_parser("plot", help="plot loss, reward, throughput or staleness from a run's logs")
     pl.add_argument("--log-dir", default="logs")
