@@ -176,6 +176,9 @@ class TorchTrainEngine:
                     for k, v in stats.items():
                         mb_stats[k] = mb_stats.get(k, 0.0) + float(v) * share
                 loss_sum = self._sync_grads(loss_sum)
+                mine = sum(share for _, share in plan)  # this rank's part of the mini-batch's tokens
+                if mine > 0:  # the diagnostics as this rank's token means (the loss is the mini-batch's)
+                    mb_stats = {k: v / mine for k, v in mb_stats.items()}
                 mb_stats["grad_norm"] = self._clip_grads()
                 self.opt.step()
                 mb_stats["loss"] = float(loss_sum)
