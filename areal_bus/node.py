@@ -170,8 +170,13 @@ class NodeShell:
         sock = open_socket(self.ctx, zmq.PUB, self.endpoint("hub_in"), bind=False, hwm=PUB_HWM)
         enc = Encoder(self.node_id + "/hb")
         try:
-            while not self._hb_stop.wait(HEARTBEAT_INTERVAL_S):
+            # The first one at once, not an interval later: a node restarted under its name must be seen
+            # as a new incarnation (peers resend what the old one held) before its old heartbeats are
+            # missed for long enough to call it dead, and every half second counts in that window.
+            while True:
                 sock.send_multipart(pack_topic(m.TOPIC_HEARTBEAT, enc.encode(self.heartbeat())), copy=False)
+                if self._hb_stop.wait(HEARTBEAT_INTERVAL_S):
+                    break
         finally:
             sock.close()
 

@@ -41,8 +41,12 @@ def on_hub(shell, src: EpisodeSource, sender: ReliableSender, consumer_kind: str
             sender.settle(msg)  # admission counts come from the run state, not from acks
         elif isinstance(msg, m.Heartbeat) and msg.kind == "rollout":
             src.on_claims(msg.node_id, msg.inflight)
-        elif isinstance(msg, m.Event) and msg.name in ("peer_dead", "peer_left") and msg.fields.get("kind") == "rollout":
-            # A worker that left (scaled away) answered what it could first: the rest is ours again now.
+        elif isinstance(msg, m.Event) and msg.name in ("peer_dead", "peer_left", "peer_restarted") \
+                and msg.fields.get("kind") == "rollout":
+            # A worker that left (scaled away) answered what it could first: the rest is ours again now. One
+            # restarted under its name (seen before it was missed for long enough to be dead) holds nothing:
+            # the new process never heard of what the old one ran. Its heartbeat (after this Event) claims
+            # only what the new process runs.
             n = src.reissue(msg.node_id, now)
             if n:
                 shell.log.warning("reissued", requests=n, dead_worker=msg.node_id, why=msg.name)

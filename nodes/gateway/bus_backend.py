@@ -5,6 +5,8 @@ so the gateway can address a worker: requests of one session go to the same work
 (sticky, so its prefix cache stays useful), new sessions go to the least loaded live worker. Workers
 are known from their heartbeats on the hub. A request whose worker dies (or that no worker answers
 within a deadline) is sent to another worker under the same id; a late duplicate answer is dropped.
+A worker restarted under its name (a new incarnation, seen before the old one's heartbeats were missed
+for long enough to call it dead) lost what it held just the same: its requests are sent again at once.
 A worker that is leaving (scaled away) says so first, with the requests it will still finish: it gets
 no new work, and what it will not finish goes to another worker at once (the rest when it is gone).
 A streamed request (``on_tokens``) gets the worker's PartialCompletions as they come; one whose worker
@@ -18,6 +20,7 @@ import asyncio
 import collections
 import itertools
 import uuid
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import zmq
@@ -76,6 +79,7 @@ class BusBackend:
         self.encoder = encoder
         self.metrics = metrics
         self.live: set[str] = set()
+        self.incarnations: dict[str, str] = {}  # worker -> the incarnation its requests went to
         self.leaving: set[str] = set()  # live, finishing what they hold, taking nothing new
         self.load: collections.Counter[str] = collections.Counter()
         self.sticky: dict[str, str] = {}
@@ -85,11 +89,21 @@ class BusBackend:
         self._task: asyncio.Task | None = None
 
     # -- workers -----------------------------------------------------------------------------------
-    def set_live(self, workers: set[str]) -> None:
-        """The live rollout workers, from the hub. Requests held by a worker that left are resent."""
-        gone = self.live - workers
-        self.live = set(workers)
-        self.leaving &= self.live  # one gone from the hub is done leaving; a new one of that name starts afresh
+    def set_live(self, workers: Mapping[str, str] | Iterable[str]) -> None:
+        """The live rollout workers, from the hub: worker name -> incarnation (a bare set of names cannot
+        show a restart). Requests held by a worker that left, or that restarted under its name, are
+        resent: the new process never heard of them."""
+        incarnations = dict(workers) if isinstance(workers, Mapping) else {}
+        names = set(workers)
+        restarted = {w for w, inc in incarnations.items()
+                     if w in self.live and self.incarnations.get(w, inc) != inc}
+        gone = (self.live - names) | restarted
+        self.live = names
+        self.incarnations = incarnations
+        # One gone from the hub is done leaving; a new one of that name (or a new incarnation) starts afresh.
+        self.leaving &= self.live - restarted
+        if restarted:
+            self.metrics.inc("gateway.workers_restarted", len(restarted))
         self._move_from(gone)
 
     def on_leaving(self, worker: str, held: set[str]) -> None:
