@@ -289,7 +289,9 @@ class VersionCommitted:
 class TrajAck:
     """trainer -> producers and agents (topic ``ack``). Ids the trainer has taken for good: trained
     on (``consumed``), dropped as over-stale (``stale``), already seen (``duplicate``), or, with a
-    durable spool, committed to it (``accepted``: a restarted trainer re-queues it). Producers
+    durable spool, committed to it (``accepted``: a restarted trainer re-queues it), or refused as
+    unfit for the model or quarantined after its update failed (``rejected``: never trained; the
+    trainer counts it in its source's stale total, so its admission slot comes back). Producers
     forget these. Admission counts come from RunState.sources, which a lost ack cannot skew."""
 
     TAG: ClassVar[str]
@@ -298,6 +300,7 @@ class TrajAck:
     stale: Ids
     duplicate: Ids
     accepted: Ids = field(default_factory=list)
+    rejected: Ids = field(default_factory=list)
 
 
 @message("evt")

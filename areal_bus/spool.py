@@ -18,6 +18,11 @@ flush per commit; ``fsync=True`` (synchronous=FULL) also survives power loss, at
 Copying the WAL back into the database (a WAL checkpoint, which flushes the disk) is left to a
 thread of its own, so the trainer's main thread only ever appends to the WAL.
 
+The ``dead`` table (dead letters) holds what the trainer refused for good: a trajectory unfit for the
+model (``check_trajectory``) or one whose update raised. It is written at once, in its own
+transaction, before the rejection is acknowledged, survives new runs (it is a record for people; rows
+carry their run's epoch), and is never re-queued: a poisoned row cannot crash-loop a restarted trainer.
+
 Rows are the trajectory encoded by the project's codec (a msgpack list of its frames), decoded with
 the same checks as anything off the wire: no pickle.
 
@@ -45,6 +50,8 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS spool (seq INTEGER PRIMARY KEY AUTOINCREMENT, traj_id TEXT NOT NULL UNIQUE,
                                   frames BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS dead (traj_id TEXT PRIMARY KEY, epoch TEXT NOT NULL, source TEXT NOT NULL,
+                                 reason TEXT NOT NULL, at REAL NOT NULL, frames BLOB);
 """
 
 
@@ -158,6 +165,31 @@ class Spool:
     def prune(self, traj_ids) -> None:
         """Delete these rows with the next commit (a checkpoint that covers them is on disk)."""
         self._prune.extend(traj_ids)
+
+    def quarantine(self, trajs, reason: str, epoch: str) -> None:
+        """Move these trajectories to the dead letters with ``reason`` (one transaction, at once):
+        their spool rows, staged or committed, go in the same transaction, so no restart re-queues them."""
+        if not trajs:
+            return
+        now = time.time()
+        rows = [(t.traj_id, epoch, t.source, reason[:2000], now, pack(t, self.encoder)) for t in trajs]
+        self.db.execute("BEGIN IMMEDIATE")
+        self.db.executemany("INSERT OR REPLACE INTO dead VALUES (?, ?, ?, ?, ?, ?)", rows)
+        self.db.executemany("DELETE FROM spool WHERE traj_id = ?", [(t.traj_id,) for t in trajs])
+        self.db.execute("COMMIT")
+        for t in trajs:
+            self._staged.pop(t.traj_id, None)
+        if not self._staged:
+            self._staged_at = None
+
+    def dead_letters(self, epoch: str | None = None) -> list[dict]:
+        """The dead letters (of run ``epoch``, or all), oldest first: traj_id, epoch, source, reason, at."""
+        sql = "SELECT traj_id, epoch, source, reason, at FROM dead"
+        args = ()
+        if epoch is not None:
+            sql, args = sql + " WHERE epoch = ?", (epoch,)
+        cols = ("traj_id", "epoch", "source", "reason", "at")
+        return [dict(zip(cols, r)) for r in self.db.execute(sql + " ORDER BY at", args)]
 
     # -- recovery -------------------------------------------------------------------------------
     def ids(self) -> list[str]:

@@ -519,11 +519,15 @@ class ShmWeightReader:
 
     def open(self, location: str) -> dict[str, torch.Tensor]:
         """The tensors of the version at ``location``, zero copy. Raises VersionUnavailable if that
-        buffer now holds another version or is being written (switch to the latest announcement)."""
+        buffer now holds another version, is being written, or is gone with the trainer that wrote it
+        (keep serving what you have and switch at the next announcement)."""
         name, k, version = parse_location(location)
         if name != self.name:
             raise ValueError(f"location {location!r} is not of weight set {self.name!r}")
-        seg = self._segment(k)
+        try:
+            seg = self._segment(k)
+        except FileNotFoundError:  # the writer went (a trainer crashed) before its replacement made it again
+            raise VersionUnavailable(f"{location}: buffer {k} does not exist (its writer is gone)") from None
         state = seg.committed()
         if state is None or state[1] != version:
             raise VersionUnavailable(f"{location}: buffer {k} is being written or holds another version")

@@ -203,6 +203,7 @@ def run(topo, replica: int = 0, base=None) -> int:
             for _, msg in shell.drain_hub():
                 if isinstance(msg, m.TrajAck):
                     sender.settle(msg)
+                    sender.ack(msg.rejected)  # refused for good: resending it would only be refused again
                 elif isinstance(msg, m.Event) and msg.name == "peer_restarted" and msg.fields.get("kind") == "trainer":
                     shell.log.warning("resent", trajectories=sender.resend(), reason=f"{msg.node_id} restarted")
             while not sender.full:  # stop reading when the trainer is not keeping up: backpressure

@@ -44,7 +44,7 @@ def _train(core: TrainerCore, now: float = 1.0):
 
 # -- batch forming ----------------------------------------------------------------------------------
 def test_async_mode_trains_once_the_trigger_is_reached_oldest_version_first(make_traj):
-    core = _core()
+    core = _core(start=Start("epoch-1", version=1))  # samples of version 1 exist once it is made
     core.receive([make_traj("new", ticket=0, versions=(1,))])
     assert core.next_job(0.0).job is None  # one sample, trigger 2
     core.receive([make_traj("old", ticket=5, versions=(0,)), make_traj("newer", ticket=1, versions=(1,))])

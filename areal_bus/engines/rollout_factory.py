@@ -15,6 +15,12 @@ from areal_bus.engines.base import RolloutEngine
 from areal_bus.engines.sim import SimRolloutEngine
 
 
+class WeightsUnavailable(RuntimeError):
+    """The weights of an announced version cannot be opened (their buffer is gone with a trainer that
+    crashed, or already holds another version). Not the worker's fault: it keeps serving the weights it
+    has and swaps at the next announcement."""
+
+
 class BuiltRolloutEngine(NamedTuple):
     engine: RolloutEngine
     """Generates: continuous batching, every token tagged with the version that produced it."""
@@ -44,7 +50,7 @@ def make_engine(topo, worker: str, replica: int, base=None) -> BuiltRolloutEngin
 
 def _torch_engine(topo, worker: str, replica: int, base) -> BuiltRolloutEngine:
     from areal_bus.engines.torch_engine import TorchRolloutEngine
-    from areal_bus.weights_shm import ShmWeightReader
+    from areal_bus.weights_shm import ShmWeightReader, WeightShmError
 
     cfg = topo.rollout_engine
     path = topo.model_path(base)
@@ -58,6 +64,12 @@ def _torch_engine(topo, worker: str, replica: int, base) -> BuiltRolloutEngine:
     cuda_reader = None  # (mtime of the handles file, CudaWeightReader), opened on the first "cuda:" location
 
     def load_weights(location: str):
+        try:
+            return _open(location)
+        except (OSError, WeightShmError) as exc:  # the writer's buffers (or handles file) are gone or reused
+            raise WeightsUnavailable(f"{location}: {exc}") from exc
+
+    def _open(location: str):
         # "cuda:..." when the trainer's writer is on a GPU (CUDA IPC, handles opened once), else shared memory.
         nonlocal cuda_reader
         if not location.startswith("cuda:"):

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -129,6 +131,8 @@ class SimTrainEngine:
     """Implements areal_bus.engines.train_engine.TrainEngine with modelled update times and no weights:
     nothing to export, release, evaluate or close."""
 
+    vocab_size = None  # no embedding to index: any non-negative id trains
+
     def __init__(self, cfg: TrainerEngineConfig, train_workers: int):
         self.cfg = cfg
         self.train_workers = train_workers
@@ -150,9 +154,15 @@ class SimTrainEngine:
         return "", 0
 
     def save_checkpoint(self, folder, version: int, consumed: list[str]):
-        """Simulated weights have nothing to save but the trainer state that resuming needs."""
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "trainer_state.json").write_text(json.dumps({"version": version, "consumed": consumed}))
+        """Simulated weights have nothing to save but the trainer state that resuming needs; written to a
+        temp folder and renamed, as the torch engine's, so a folder saved over is never half old."""
+        folder = Path(folder)
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        (tmp / "trainer_state.json").write_text(json.dumps({"version": version, "consumed": consumed}))
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
         return folder
 
     def release(self, version: int) -> None:

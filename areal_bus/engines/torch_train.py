@@ -78,6 +78,9 @@ class TorchTrainEngine:
         # What the update calls (a parallel layout shards it); ``model`` is the transformers model inside.
         self.policy = self._prepare_model(PackedLM(load().train().requires_grad_(True)))
         self.model = self.policy.lm
+        # Ids at or past it index outside the embedding (on a GPU a device-side assert that ends the
+        # process): the trainer refuses such trajectories before accepting them.
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.ref = load().eval().requires_grad_(False) if cfg.kl_coef > 0 else None
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=topo.learning_rate, betas=(0.9, 0.999),
                                      weight_decay=0.0)

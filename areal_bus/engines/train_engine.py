@@ -29,6 +29,9 @@ class WeightsBusy(RuntimeError):
 
 
 class TrainEngine(Protocol):
+    vocab_size: int | None
+    """Rows of the model's embedding: a token id must be below it (None: any id, a simulated engine)."""
+
     def train(self, batch: list[Trajectory], version: int) -> dict:
         """One policy update on ``batch``, from the weights of ``version`` to those of ``version + 1``.
         Returns stats (``loss``, ``reward``, ``tokens`` and whatever else the engine measures)."""

@@ -21,6 +21,7 @@ import structlog
 
 from areal_bus import messages as m
 from areal_bus.engines.base import RolloutEngine, TokenStreams
+from areal_bus.engines.rollout_factory import WeightsUnavailable
 from areal_bus.metrics import Metrics
 from areal_bus.version import NONE, PolicyVersion
 
@@ -89,6 +90,7 @@ class RolloutCore:
         self.announced = NONE  # the newest version announced (NONE: none yet), and where its weights are
         self.location = ""
         self.serving = PolicyVersion("", engine.version)  # the weights this worker decodes with
+        self.unavailable = NONE  # an announced version whose weights would not open: not tried again
 
     # -- what the wiring asks ---------------------------------------------------------------------
 
@@ -120,25 +122,34 @@ class RolloutCore:
                     self.announced, self.location = PolicyVersion.of(msg), msg.location
         # (lineage, version) only goes up; the version alone goes down when a restarted trainer
         # resumes from its checkpoint as a new lineage.
-        if self.announced > self.serving:
-            return [self._swap()]
-        if repeated and self.announced == self.serving:
+        if self.announced > self.serving and self.announced != self.unavailable:
+            return self._swap()
+        if repeated and self.announced in (self.serving, self.unavailable):
             # The broadcaster repeats the current version every heartbeat; answering each time heals
             # a lost ack and tells a restarted broadcaster what we serve.
             return [m.VersionAck(node_id=self.worker, version=self.serving.version, lineage=self.serving.lineage)]
         return []
 
-    def _swap(self) -> m.VersionAck:
+    def _swap(self) -> list[m.VersionAck]:
         before = self.engine.version
         if self.location:
-            took = self.engine.swap_weights(self.announced.version, self.location)
+            try:
+                took = self.engine.swap_weights(self.announced.version, self.location)
+            except WeightsUnavailable as exc:
+                # Tolerated: a trainer that crashed took its buffers along. What we serve is still
+                # whole (the engine copied it); the restarted trainer announces a newer lineage.
+                self.unavailable = self.announced
+                self.metrics.inc("weight_swaps_unavailable")
+                self.log.warning("weights_unavailable", version=self.announced.version,
+                                 lineage=self.announced.lineage, serving=self.serving.version, error=str(exc)[:300])
+                return []
             self.release_upto(max(self.engine.version, before))
         else:  # nothing to load (simulated weights, or the checkpoint the worker started from)
             self.engine.version, took = self.announced.version, 0.0
         self.serving = PolicyVersion(self.announced.lineage, self.engine.version)
         self.metrics.inc("weight_swaps")
-        return m.VersionAck(node_id=self.worker, version=self.serving.version, switch_seconds=took,
-                            lineage=self.serving.lineage)
+        return [m.VersionAck(node_id=self.worker, version=self.serving.version, switch_seconds=took,
+                             lineage=self.serving.lineage)]
 
     # -- requests -------------------------------------------------------------------------------------
 

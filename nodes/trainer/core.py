@@ -13,7 +13,18 @@ export, what to start on the compute thread. The node (``nodes/trainer/__init__.
 The order that makes the run crash-safe lives here: a trajectory is acknowledged ``accepted`` only
 once the spool has committed it (without a spool, never: producers keep it until it is trained); a
 ledger record goes out before the acknowledgement it explains; spool rows are pruned only once a
-checkpoint that covers them is on disk.
+checkpoint that covers them is sealed (``recovery.write_run_state``'s manifest) and the next one is too, so a
+newest checkpoint found damaged at recovery costs nothing: the one before it is loaded and the spool
+still holds every row that one does not cover. A spool row that no longer decodes is lost: counted in
+its source's stale total (the admission slot comes back), logged as an error, and pruned with the rest.
+
+What the model cannot train on never gets that far: each received trajectory is checked
+(``areal_bus.trajectory_check``: aligned arrays, ids in the vocabulary, no version from the future)
+and a bad one is *rejected*: moved to the spool's dead letters, counted in its source's stale total
+(so its admission slot comes back, and stays back after a crash: a recovering trainer counts the
+dead letters its checkpoint does not cover), recorded in the ledger and acknowledged ``rejected``.
+An update that raises is handled the same way for its whole batch (``on_train_failed``): one failed
+try, then quarantine, never a replay into a crash loop.
 """
 
 from __future__ import annotations
@@ -21,11 +32,14 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+import msgpack
+
 from areal_bus import messages as m
 from areal_bus.admission import is_over_stale, staleness_of
 from areal_bus.constants import HEARTBEAT_INTERVAL_S, SEEN_IDS_MAX
 from areal_bus.metrics import Metrics
 from areal_bus.spool import Spool
+from areal_bus.trajectory_check import check_trajectory, reason_code
 from areal_bus.version import PolicyVersion
 from nodes.trainer.recovery import Start
 
@@ -100,7 +114,7 @@ class Job:
     wait_s: float = 0.0  # train: how long the trainer sat idle before it
     staleness: dict = field(default_factory=dict)  # train: {staleness: samples} of the batch
     state: dict = field(default_factory=dict)  # save: the run state the checkpoint gets (write_run_state)
-    covers: list = field(default_factory=list)  # save: spool rows it covers, pruned once it is on disk
+    covers: list = field(default_factory=list)  # save: spool rows it covers, pruned once the next one is sealed
 
 
 @dataclass
@@ -133,8 +147,9 @@ class Out:
 
 class TrainerCore:
     def __init__(self, topo, start: Start, spool: Spool | None, incarnation: str, lineage: str,
-                 metrics: Metrics | None = None, now: float = 0.0):
+                 metrics: Metrics | None = None, now: float = 0.0, vocab_size: int | None = None):
         self.topo = topo
+        self.vocab_size = vocab_size  # the engine's: a token id must be below it (None: not checked)
         self.start = start
         self.spool = spool
         self.incarnation = incarnation  # this process
@@ -153,7 +168,13 @@ class TrainerCore:
         self.totals: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
         self.totals.update({k: list(v) for k, v in start.sources.items()})
         self.unpruned: list[str] = []  # consumed since the last checkpoint was started: its rows may go after it
+        self.behind: list[str] = []  # rows the newest sealed checkpoint covers: pruned once the next one is sealed
         self.committed = -1  # newest version of this lineage every rollout worker serves
+        # The newest version this run has made, in any lineage: a token may carry no newer one. Above
+        # the checkpoint's after a crash (in-flight samples of the lost versions are still good), so
+        # the spool keeps it.
+        meta = spool.meta() if spool is not None and start.recovering else {}
+        self.newest = max(start.version, int(meta.get("newest", 0) or 0))
         self.ready: m.WeightsReady | None = None  # the newest export, kept for a broadcaster that restarts
         self.idle_since = now
         self.last_state = float("-inf")
@@ -179,16 +200,28 @@ class TrainerCore:
         out = Out(ledger=[("start", {"inc": self.incarnation, "epoch": self.epoch, "resumed_step": self.version,
                                      "ckpt_inc": self.start.ckpt_inc, "spool": self.spool is not None})],
                   export=self.version)
+        for folder, why in self.start.skipped:  # checkpoints newer than the one loaded, that failed verification
+            self.metrics.inc("checkpoints_skipped")
+            out.logs.append(("error", "checkpoint_skipped", {"checkpoint": str(folder), "reason": why,
+                                                             "loaded": str(self.start.folder or "-")}))
+        if self.start.set_aside is not None:
+            out.logs.append(("warning", "checkpoints_set_aside", {"to": str(self.start.set_aside)}))
         if self.spool is None or not self.start.recovering:
             return out
         covered = set(self.consumed)
-        self.spool.prune([tid for tid in self.spool.ids() if tid in covered])
+        # Kept until the next checkpoint is sealed: should this one be found damaged, the one before it
+        # is loaded instead, and these rows are what it does not cover.
+        self.behind = [tid for tid in self.spool.ids() if tid in covered]
         backlog, bad = self.spool.load(skip=covered)
         if bad:
-            self.metrics.inc("spool_bad_rows", len(bad))
-            out.logs.append(("error", "spool_bad_rows", {"count": len(bad), "ids": ",".join(bad[:5])}))
+            out.add(self._lost(bad))
         for traj in backlog:
             self.queue.offer(traj)
+        # Rejected after the checkpoint: their stale count (the slot given back) went with the process.
+        dead = [d for d in self.spool.dead_letters(self.epoch) if d["traj_id"] not in covered]
+        for d in dead:
+            self.queue.remember(d["traj_id"])
+            self._count(d["traj_id"], d["source"], 1)
         # Accepted again by this incarnation: the ledger line of the one that died may not have been written.
         out.ledger.append(("accepted", {"inc": self.incarnation, "ids": [t.traj_id for t in backlog]}))
         out.logs.append(("warning", "recovered", {"epoch": self.epoch, "version": self.version,
@@ -212,6 +245,8 @@ class TrainerCore:
             if self.queue.seen_before(traj.traj_id):
                 self.metrics.inc("duplicates")
                 out.publish.append(self._ack(duplicate=[traj.traj_id]))
+            elif (reason := check_trajectory(traj, self.vocab_size, self.newest)) is not None:
+                out.add(self.reject([traj], reason))
             elif self.spool is None:
                 fresh.append(traj)
             elif not self.spool.is_staged(traj.traj_id):  # a staged one's acceptance is on its way
@@ -279,6 +314,10 @@ class TrainerCore:
         consumed, a checkpoint started when one is due."""
         took = now - job.started
         self.policy = PolicyVersion(self.policy.lineage, job.version + 1)
+        if self.version > self.newest:
+            self.newest = self.version
+            if self.spool is not None:  # before the export: no token of this version exists yet
+                self.spool.set_meta(newest=self.newest)
         step, ids = job.version, [t.traj_id for t in job.batch]
         tokens = sum(t.num_tokens for t in job.batch)
         self._consume(job.batch, 0)
@@ -317,11 +356,39 @@ class TrainerCore:
         self.idle_since = now
         return out
 
+    def on_train_failed(self, job: Job, error: str, now: float) -> Out:
+        """The update of ``job`` raised: its batch is quarantined after this one try and the run goes
+        on with the next batch, at the same version (an update that failed in a later mini-batch has
+        stepped the weights on the earlier ones: they stay, as a partial update of the same policy)."""
+        self.idle_since = now
+        self.metrics.inc("train_failures")
+        out = self.reject(job.batch, f"train_failed: {error}")
+        out.logs.append(("error", "train_failed", {"step": job.version, "samples": len(job.batch),
+                                                   "error": error[:500]}))
+        return out
+
+    def reject(self, trajs: list[m.Trajectory], reason: str) -> Out:
+        """Refuse these for good: dead letters first (durable before the acknowledgement, and never
+        re-queued), their sources' stale totals (the admission slots come back), the ledger, then the
+        ``rejected`` acknowledgement (producers forget them) and the run state that carries the totals."""
+        ids = [t.traj_id for t in trajs]
+        if self.spool is not None:
+            self.spool.quarantine(trajs, reason, self.epoch)
+        for t in trajs:
+            self.queue.remember(t.traj_id)  # a resend is a duplicate: acknowledged, never checked again
+            self._count(t.traj_id, t.source, 1)
+        self.metrics.inc(f"rejected.{reason_code(reason)}", len(trajs))
+        return Out(ledger=[("rejected", {"inc": self.incarnation, "ids": ids, "reason": reason[:500]})],
+                   publish=[self._ack(rejected=ids), self.run_state(self.last_state)],
+                   logs=[("warning", "rejected", {"count": len(ids), "ids": ",".join(ids[:5]),
+                                                  "reason": reason[:500]})])
+
     def on_saved(self, job: Job, now: float) -> Out:
-        """A checkpoint is on disk (with its run state): the spool rows it covers may go."""
+        """A checkpoint is sealed (write_run_state returned): the rows the one before it covers may go."""
         out = Out(ledger=[("checkpoint", {"inc": self.incarnation, "version": job.version})])
         if self.spool is not None:
-            self.spool.prune(job.covers)
+            self.spool.prune(self.behind)
+            self.behind = list(job.covers)
             out.add(self._accept(self.spool.commit()))
         out.publish.append(self.run_state(now))
         return out
@@ -354,7 +421,7 @@ class TrainerCore:
 
     def _ack(self, **ids) -> tuple[bytes, m.TrajAck]:
         return m.TOPIC_TRAJ_ACK, m.TrajAck(trainer_version=self.version, **{
-            "consumed": [], "stale": [], "duplicate": [], **ids})
+            "consumed": [], "stale": [], "duplicate": [], "rejected": [], **ids})
 
     def _accept(self, trajs: list[m.Trajectory]) -> Out:
         """Durable now (or the spool is off): record and queue them; with a spool, producers may now
@@ -369,10 +436,44 @@ class TrainerCore:
             out.publish.append(self._ack(accepted=ids))
         return out
 
+    def _lost(self, bad: list[str]) -> Out:
+        """Spool rows that no longer decode (a damaged disk): never trainable, so their admission slots
+        come back (stale totals of the source their header still names) and the next checkpoints prune
+        them. They stay accepted-and-lost in the ledger's audit, which is the truth."""
+        sources = collections.Counter()
+        for tid in bad:
+            source = _row_source(self.spool, tid)
+            sources[source] += 1
+            self.queue.remember(tid)  # a resend is a duplicate: it was accepted once already
+            self._count(tid, source, 1)
+        self.metrics.inc("spool_bad_rows", len(bad))
+        return Out(ledger=[("lost", {"inc": self.incarnation, "ids": bad, "reason": "spool row does not decode"})],
+                   logs=[("error", "spool_bad_rows", {"count": len(bad), "ids": ",".join(bad[:5]),
+                                                      "sources": dict(sources)})])
+
     def _consume(self, trajs: list[m.Trajectory], which: int) -> None:
         """Trained on (``which`` 0) or dropped as stale (1): in this lineage's consumed ids, the
         per-source totals, and the ids the next checkpoint lets the spool forget."""
         for t in trajs:
-            self.consumed[t.traj_id] = None
-            self.unpruned.append(t.traj_id)
-            self.totals[t.source][which] += 1
+            self._count(t.traj_id, t.source, which)
+
+    def _count(self, traj_id: str, source: str, which: int) -> None:
+        """One id consumed (0) or given back (1: stale, or rejected, which the totals count alike)."""
+        self.consumed[traj_id] = None
+        self.unpruned.append(traj_id)
+        self.totals[source][which] += 1
+
+
+def _row_source(spool: Spool, traj_id: str) -> str:
+    """The episode source a spool row's header names, read without decoding the row (its arrays may be
+    what is damaged): "" when even the header is gone, and then no source gets the slot back."""
+    row = spool.db.execute("SELECT frames FROM spool WHERE traj_id = ?", (traj_id,)).fetchone()
+    try:
+        unpacker = msgpack.Unpacker(raw=False)
+        unpacker.feed(row[0])
+        unpacker.read_array_header()
+        header = msgpack.unpackb(unpacker.unpack(), raw=False)
+        source = header[3]["source"]
+    except Exception:  # noqa: BLE001 -- any damage means the same: no source to give the slot back to
+        return ""
+    return source if isinstance(source, str) else ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import time
+import traceback
 
 import zmq
 
@@ -27,9 +28,19 @@ READERS_WARN_S = 10.0
 """Waiting this long for rollout workers to leave a weight buffer is logged (and again each period)."""
 
 
+class TrainFailed(Exception):
+    """The engine's update raised (on the compute thread): ``error`` one line, ``trace`` the traceback."""
+
+    def __init__(self, error: str, trace: str):
+        super().__init__(error)
+        self.error, self.trace = error, trace
+
+
 class TrainerIO:
     def __init__(self, shell: NodeShell, engine: TrainEngine, core: TrainerCore):
         self.shell, self.engine, self.core = shell, engine, core
+        # What the core checks token ids against: the engine it drives knows the model's vocabulary.
+        core.vocab_size = getattr(engine, "vocab_size", None)
         topo = shell.topo
         pull = open_socket(shell.ctx, zmq.PULL, shell.endpoint("train"), bind=True, hwm=topo.queue_max_size)
         self.to_weights = open_socket(shell.ctx, zmq.PUSH, shell.endpoint("weights"), bind=False, hwm=16)
@@ -112,8 +123,11 @@ class TrainerIO:
         return self.job is None
 
     def finished_job(self) -> Out:
-        """The core's answer to the job that finished, if one did. A failed update or save propagates:
-        the node crashes loudly."""
+        """The core's answer to the job that finished, if one did. A failed save propagates: the node
+        crashes loudly. A failed update is the batch's fault as far as the trainer can tell (the
+        trajectories passed every check, yet the model raised on them): tolerated, the batch is
+        quarantined with the exception and the run goes on; replaying it after a crash would only
+        crash again. A failed evaluation after a good update is not the batch's: it propagates."""
         if self.job is None or not self.job[0].done():
             return Out()
         future, job = self.job
@@ -121,7 +135,12 @@ class TrainerIO:
         if job.kind == "save":
             future.result()
             return self.core.on_saved(job, time.monotonic())
-        return self.core.on_trained(job, future.result(), time.monotonic())
+        try:
+            stats = future.result()
+        except TrainFailed as failed:
+            self.shell.log.error("train_exception", step=job.version, traceback=failed.trace[-4000:])
+            return self.core.on_train_failed(job, failed.error, time.monotonic())
+        return self.core.on_trained(job, stats, time.monotonic())
 
     def _work(self, job: Job) -> dict:
         """On the compute thread: the update (and the evaluation due after it), or a checkpoint."""
@@ -130,7 +149,10 @@ class TrainerIO:
             self.engine.save_checkpoint(folder, job.version, job.state["consumed"])
             write_run_state(folder, job.state)
             return {}
-        stats = self.engine.train(job.batch, job.version)
+        try:
+            stats = self.engine.train(job.batch, job.version)
+        except Exception as exc:  # noqa: BLE001 -- any error of the update is the batch's: see finished_job
+            raise TrainFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc()) from exc
         if job.evaluate:
             stats.update(self.engine.evaluate(job.version + 1) or {})
         return stats
