@@ -69,3 +69,29 @@ message per token per request would cost the rollout loop more than the decoding
 POLL_MS = 50
 """Main-loop poll timeout. Short enough that SIGTERM and version announcements are handled promptly,
 long enough that idle nodes cost nothing measurable."""
+
+# HTTP (the gateway) ------------------------------------------------------------------------------
+HTTP_HEADER_TIMEOUT_S = 10.0
+"""A connection's request line and headers must be complete this long after its first byte (or after it
+opened). aiohttp itself waits for ever once a byte has come, so a client that sends half a header holds a
+connection and its buffers for good (220 held for 20 s and more). Ten seconds is far above any real
+client's header time (one write of a few hundred bytes), and short enough that a slowloris must keep
+opening connections faster than they are closed to hold many."""
+
+HTTP_BODY_TIMEOUT_S = 60.0
+"""A request body must be complete this long after its headers (a 408, then the connection closes). The
+largest body allowed (max_body_bytes, 1 MiB by default) takes well under a second on any link an agent
+uses; a minute leaves room for a very slow one and a long conversation's history."""
+
+# Version trust ----------------------------------------------------------------------------------
+VERSION_AHEAD_MAX = 1
+"""How far a VersionAnnounce may be ahead of the version the trainer's own RunState reports. The
+trainer exports version v+1 right after the update that made it, and the RunState saying v+1 may still
+be on its way (another publisher, another path through the hub): one ahead is the normal race, more
+is a forged or garbled announcement."""
+
+LINEAGE_WAIT_S = 5.0
+"""How long an announcement of a lineage no RunState has named yet is held before it is refused. A
+restarted trainer exports its start weights before its first RunState goes out (half a second at
+most, the RunState repeat); ten times that absorbs a loaded 2-core box without letting a forged
+lineage sit unnoticed."""

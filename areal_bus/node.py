@@ -34,7 +34,7 @@ from areal_bus.logs import setup_logging
 from areal_bus.metrics import Metrics
 from areal_bus.security import bus_context
 from areal_bus.topology import Topology, dump_resolved
-from areal_bus.version import PolicyVersion
+from areal_bus.version import PolicyVersion, VersionTrust
 
 
 @dataclass
@@ -128,6 +128,12 @@ class NodeShell:
         # moved by announcements, so its heartbeat never claims a version it does not have yet.
         self.own_policy = own_policy
         self.peers = PeerTable()
+        # Announcements are followed only as the trainer's RunState vouches for them (VersionTrust): a
+        # node that follows versions hears the run state too.
+        self.trust = VersionTrust()
+        self._refusals_logged: set[str] = set()
+        if m.TOPIC_VERSION in topics and m.TOPIC_RUN not in topics:
+            topics = (*topics, m.TOPIC_RUN)
         self.watch = set(watch)
         self.inflight: list = []  # read by the heartbeat thread; nodes replace it, never mutate it
         self.stopping = threading.Event()  # set on SIGTERM: the main loop winds down
@@ -231,14 +237,45 @@ class NodeShell:
                     else:
                         self.event(f"peer_{change}", peer=msg.node_id)
                     out.append((env, m.Event(name=f"peer_{change}", node_id=msg.node_id, fields={"kind": msg.kind})))
-            elif isinstance(msg, m.VersionAnnounce) and not self.own_policy:
-                self.policy = max(self.policy, PolicyVersion.of(msg))
+            elif isinstance(msg, m.VersionAnnounce):
+                verdict = self.trust.judge(msg, env.producer, now, carry=(env, msg))
+                if verdict:  # held (out with the RunState that names its lineage), superseded or refused
+                    self._refused(verdict, producer=env.producer, version=msg.version, lineage=msg.lineage)
+                    continue
+                self._follow(msg)
+            elif isinstance(msg, m.RunState):
+                out.append((env, msg))
+                released, refused = self.trust.on_run_state(msg, now)
+                for why, ann in refused:
+                    self._refused(why, version=ann.version, lineage=ann.lineage)
+                for env_ann in released:
+                    self._follow(env_ann[1])
+                    out.append(env_ann)
+                continue
             out.append((env, msg))
         for peer in self.peers.expire(now):
             if peer.kind in self.watch:
                 self.event("peer_dead", peer=peer.node_id, silent_s=round(now - peer.last_seen, 1))
                 out.append((None, m.Event(name="peer_dead", node_id=peer.node_id, fields={"kind": peer.kind})))
         return out
+
+    def _follow(self, ann: m.VersionAnnounce) -> None:
+        """A trusted announcement: the newest policy, unless this node sets its own. Its lineage is the
+        trainer's current one, so a new lineage is followed even where its number is lower."""
+        if not self.own_policy and (ann.lineage != self.policy.lineage or ann.version > self.policy.version):
+            self.policy = PolicyVersion.of(ann)
+
+    def _refused(self, why: str, **fields) -> None:
+        """Count an announcement not followed; an error (the first of each kind: later ones are in the
+        counters) unless merely held or superseded, which a trainer restart makes."""
+        if why == "held":
+            return
+        self.metrics.inc("version_superseded" if why == "superseded" else f"version_refused.{why}")
+        if why != "superseded" and why not in self._refusals_logged:
+            self._refusals_logged.add(why)
+            self.log.error("version_refused", reason=why, **fields,
+                           trainer_lineage=self.trust.lineage or "-", trainer_version=self.trust.version,
+                           note=f"later ones are counted as version_refused.{why} only")
 
     # -- teardown -------------------------------------------------------------------------------
     def _stop_heartbeat(self) -> None:
