@@ -161,9 +161,10 @@ class ReliableSender:
         return n
 
     def settle(self, ack) -> int:
-        """Forget every trajectory a TrajAck names: trained on, dropped as stale, a duplicate, or
-        accepted into the trainer's durable spool."""
-        return self.ack(ack.consumed) + self.ack(ack.stale) + self.ack(ack.duplicate) + self.ack(ack.accepted)
+        """Forget every trajectory a TrajAck names: trained on, dropped as stale, a duplicate, accepted
+        into the trainer's durable spool, or rejected (inconsistent for the model: quarantined)."""
+        return (self.ack(ack.consumed) + self.ack(ack.stale) + self.ack(ack.duplicate) + self.ack(ack.accepted)
+                + self.ack(ack.rejected))
 
     def resend(self, older_than: float | None = None) -> int:
         """Queue unacked messages again: all of them, or those sent more than ``older_than`` s ago."""
