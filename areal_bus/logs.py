@@ -7,7 +7,8 @@
 structlog does the structuring; the renderer below only decides the line's shape. Each line goes to
 ``<log_dir>/<file>.log`` (appended; every replica of a kind shares the file, and O_APPEND keeps whole
 lines whole); warnings and errors also go to stdout, which supervisord keeps per process beside any
-traceback.
+traceback. A line that cannot be written (disk full) is counted and dropped: logging never fails the
+code that logs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import time
 from pathlib import Path
 
 import structlog
+
+from areal_bus.ledger import AppendFile
 
 # Node kind -> (tag in brackets, file name). The trainer's lines say [train] as AReaL's do.
 LOG_NAMES = {
@@ -60,24 +63,41 @@ def render_line(_, __, event_dict) -> str:
     return " ".join(parts)
 
 
+_failures = 0
+
+
+def log_failures() -> int:
+    """Log lines this process could not write (a full disk, a closed stdout), since it started."""
+    return _failures
+
+
 class _NodeLogger:
     """Where rendered lines go: every line to the node-kind log file; warnings and errors also to
     stdout, which supervisord keeps per process beside the tracebacks. Routine lines (one per request
-    on a gateway, one per step elsewhere) skip stdout: the pipe to supervisord costs CPU on every line."""
+    on a gateway, one per step elsewhere) skip stdout: the pipe to supervisord costs CPU on every line.
+
+    Logging is best effort and the data path is not: a line that cannot be written (ENOSPC) is counted
+    (``log_failures``) and dropped, never raised into the code that logged it (a gateway's reply, a
+    trainer's step). What must not be lost goes to the ledger or a spool, which raise instead."""
 
     def __init__(self, path: Path | None, echo: bool = True):
         self.echo = echo
-        self._file = None
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", buffering=1)
+        self._file = AppendFile(path) if path is not None else None
 
     def _write(self, line: str, loud: bool) -> None:
+        global _failures
+        data = (line + "\n").encode("utf-8", "backslashreplace")
         if self._file is not None:
-            self._file.write(line + "\n")
+            try:
+                self._file.append(data)
+            except OSError:  # deliberately tolerated: see the class docstring
+                _failures += 1
         if self.echo and (loud or self._file is None):
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
+            try:
+                sys.stdout.write(line + "\n")
+                sys.stdout.flush()
+            except (OSError, ValueError):  # ValueError: stdout closed. Tolerated as above
+                _failures += 1
 
     def info(self, line: str) -> None:
         self._write(line, loud=False)

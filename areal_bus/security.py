@@ -1,7 +1,8 @@
 """Transport security on the bus: who may connect to a node's sockets.
 
-On one host the bus uses ipc sockets (in a folder only this user may enter) or tcp on loopback, which
-nothing outside the host reaches. Between hosts every socket speaks ZeroMQ's CURVE (RFC 26: the
+On one host the bus uses ipc sockets (in a folder only this user may enter: ``private_dir`` makes it
+0700, and refuses one another user made or may write in) or tcp on loopback, which nothing outside the
+host reaches. Between hosts every socket speaks ZeroMQ's CURVE (RFC 26: the
 connection is encrypted and both ends prove a key) with one keypair per cluster:
 ``areal-bus keys --out keys`` writes it, ``endpoints.curve.key`` in the topology names it, and every
 host holds a copy. A socket that binds is a CURVE server with that keypair and, through a ZAP handler
@@ -23,6 +24,7 @@ import hmac
 import logging
 import os
 import queue
+import stat
 import tempfile
 import threading
 import time
@@ -111,6 +113,40 @@ def load_keys(path: str | os.PathLike) -> CurveKeys:
         if len(key) != 40:
             raise CurveKeyError(f"{p}: the {what} key is not a 40-character Z85 CURVE key")
     return CurveKeys(public=public, secret=secret)
+
+
+class IpcDirError(PermissionError):
+    """An ipc folder that another user owns or may write in: whoever can write there can bind a
+    socket of the bus, or plant a file a node reads (the CUDA weight handles), before the run does."""
+
+
+def private_dir(path: str | os.PathLike) -> Path:
+    """The ipc folder ``path``, made owner-only if it is new, checked if it exists: a directory (not a
+    link), owned by this user, with no group or other write bit. The default name
+    (/tmp/areal_bus-<hash of log_dir>) can be guessed, so another local user may have made it first;
+    such a folder is refused (IpcDirError naming it and the fix), never used. A folder of ours that
+    others may only read or enter (0755, from an older release or a umask) is tightened to 0700: nobody
+    else can have put anything in it. Returns ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    fix = (f"remove it (rm -r {path}) if no run of yours uses it, or set endpoints.ipc_dir to a folder of "
+           f"your own")
+    if not stat.S_ISDIR(st.st_mode):
+        raise IpcDirError(f"ipc folder {path} is not a directory (a link or a file): {fix}")
+    if st.st_uid != os.geteuid():
+        raise IpcDirError(f"ipc folder {path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): "
+                          f"another user may have made it to catch the bus's sockets; {fix}")
+    if st.st_mode & 0o022:
+        raise IpcDirError(f"ipc folder {path} has mode {stat.S_IMODE(st.st_mode):04o}: other users may write "
+                          f"in it, so what is in it cannot be trusted; {fix}")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
 
 
 class BusContext(zmq.Context):
