@@ -95,3 +95,12 @@ LINEAGE_WAIT_S = 5.0
 restarted trainer exports its start weights before its first RunState goes out (half a second at
 most, the RunState repeat); ten times that absorbs a loaded 2-core box without letting a forged
 lineage sit unnoticed."""
+
+WATCHDOG_SILENT_S = 5.0
+"""A node whose heartbeat has been missing this long while its process lives is logged as stalled by
+the watchdog (areal_bus/watchdog.py). Peers call a node dead after 2 s (HEARTBEAT_LIVENESS); the
+watchdog waits longer, so a GC pause or a loaded box is not reported, and only for the process that
+is still there: the one a restart by supervisord would not cover."""
+
+WATCHDOG_RESTART_MAX_S = 3600.0
+"""The longest durability.watchdog_restart_s may be: a node silent an hour is not coming back."""

@@ -15,6 +15,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from areal_bus.constants import HTTP_BODY_TIMEOUT_S, HTTP_HEADER_TIMEOUT_S
+
+
+SECRET = "secret"
+"""A field marked ``json_schema_extra={SECRET: True}`` holds a secret: ``topology.dump_resolved`` (the
+config every node dumps at start, and `areal-bus validate` prints) shows REDACTED in its place."""
+REDACTED = "<redacted>"
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -35,7 +43,9 @@ class GatewayConfig(_Strict):
     admin_token: str | None = Field(None, min_length=8, description="Token for opening sessions and for "
                                     "unrecorded calls. Write ${AREAL_BUS_ADMIN_TOKEN} in the topology, never a "
                                     "literal. Empty or unset: the topology validates, but the gateway (and an "
-                                    "agent that plays through it) refuses to start.")
+                                    "agent that plays through it) refuses to start. A secret: the resolved "
+                                    f"config a node dumps shows {REDACTED!r} instead.",
+                                    json_schema_extra={SECRET: True})
     policy_model: str = Field("policy", min_length=1, description="The model id agents send for the policy "
                               "being trained; any other id goes to the router (or is a 404).")
     router_config: str | None = Field(None, min_length=1, description="The model router's YAML "
@@ -55,13 +65,26 @@ class GatewayConfig(_Strict):
     max_pending_requests: int = Field(2048, ge=1, le=1_000_000, description="Policy generations (choices) "
                                       "waiting on or running in the backend at most; past it a chat request is a "
                                       "429 with Retry-After instead of a queue that grows with the load.")
+    wal: bool = Field(True, description="Keep open sessions (every recorded turn and reward) and ended "
+                      "sessions' trajectories in a local SQLite WAL (<log_dir>/spool/<node>.wal.sqlite) until the "
+                      "trainer acknowledges them, committed before each reply: a 2xx survives a kill -9 of the "
+                      "gateway, and a restarted gateway resumes its sessions (their keys keep working). false: in "
+                      "memory only, lost with the process.")
+    wal_fsync: bool = Field(False, description="Flush the disk at every WAL commit (SQLite synchronous=FULL): "
+                            "survives power loss too, at a flush per reply. false survives any process crash.")
+    header_timeout_s: float = Field(HTTP_HEADER_TIMEOUT_S, gt=0, le=3600, description="A request line and "
+                                    "headers not complete this long after the connection opened (or after its "
+                                    "previous reply, kept alive) close the connection.")
+    body_timeout_s: float = Field(HTTP_BODY_TIMEOUT_S, gt=0, le=3600, description="A request body not "
+                                  "complete this long after its headers is a 408, and the connection closes.")
 
     @field_validator("admin_token", mode="before")
     @classmethod
     def _empty_is_unset(cls, v):
         # `${AREAL_BUS_ADMIN_TOKEN:-}` expands to "" where the variable is unset: the same as no token,
-        # so a topology can be validated and rendered in a shell that does not hold the secret.
-        return None if v == "" else v
+        # so a topology can be validated and rendered in a shell that does not hold the secret. A dump's
+        # marker read back (the trainer's other ranks read one) is no token either: never a password.
+        return None if v in ("", REDACTED) else v
 
     @field_validator("admin_token")
     @classmethod

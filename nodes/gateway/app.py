@@ -32,6 +32,11 @@ their own, which a disconnect does not cancel (an admin call, with nothing to re
 its handler). Sessions idle longer than ``session_idle_timeout_s`` are
 ended by a sweeper; at shutdown every open session is ended (``end_reason`` "shutdown") and emitted.
 
+Durability: given a ``wal`` (``wal.GatewayWAL``), a turn, a reward, an opened and an ended session are
+committed to it before the reply, and ended trajectories stay there until ``settled`` names them (the
+node calls it with each TrajAck). A Gateway made on an existing WAL resumes its open sessions (their keys
+keep working) and, once serving, emits again every ended trajectory not yet settled.
+
 Here: the Gateway (keys and bodies, session lifecycle, the OpenAI chat and model routes) and ``make_app``;
 its config, ``GatewayConfig``, is in areal_bus/node_configs.py. The Gateway is put together from mixins,
 one module each: ``policy_chat.PolicyChat`` serves a chat request with the policy (prompt, generation,
@@ -97,7 +102,7 @@ class Gateway(PolicyChat, AnthropicRoutes, RLRoutes):
     docstring for which mixin serves which)."""
 
     def __init__(self, cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, emit=None,
-                 admission=None, log=None, metrics=None):
+                 admission=None, log=None, metrics=None, wal=None):
         if not cfg.admin_token:
             raise ValueError("nodes.gateway.config.admin_token is not set: export AREAL_BUS_ADMIN_TOKEN (8+ "
                              "characters) in the shell that starts the run, and write ${AREAL_BUS_ADMIN_TOKEN}")
@@ -118,7 +123,11 @@ class Gateway(PolicyChat, AnthropicRoutes, RLRoutes):
             raise ValueError("GatewayConfig.max_context_tokens is not set and the backend does not say "
                              "(set it to the engine's max_len)")
         self.max_context = int(ctx)
-        self.store = SessionStore(cfg.max_sessions, cfg.session_idle_timeout_s)
+        self.store = SessionStore(cfg.max_sessions, cfg.session_idle_timeout_s, wal=wal)
+        self.wal = wal
+        self.resumed, self.resend = 0, []  # what a restart found in the WAL (on_startup emits ``resend``)
+        if wal is not None:
+            self._restore()
         self.jobs: dict[str, set[asyncio.Task]] = {}
         self.unemitted: list = []
         self._sweeper: asyncio.Task | None = None
@@ -129,7 +138,13 @@ class Gateway(PolicyChat, AnthropicRoutes, RLRoutes):
 
     async def read_json(self, request: web.Request):
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
+        except TimeoutError:
+            # The rest of the body is not wanted: marked ended, aiohttp does not linger reading it after
+            # the 408 (whose reply closes the connection: server._errors).
+            request.content.feed_eof()
+            raise OpenAIError(408, f"The request body did not arrive within {self.cfg.body_timeout_s:g} s "
+                              f"(body_timeout_s in the gateway config).", code="body_timeout") from None
         except web.HTTPRequestEntityTooLarge:
             raise OpenAIError(413, f"Request body is larger than the gateway's limit of {self.cfg.max_body_bytes} "
                               f"bytes (max_body_bytes in the gateway config).", code="request_too_large") from None
@@ -200,6 +215,26 @@ class Gateway(PolicyChat, AnthropicRoutes, RLRoutes):
                 self.log.error("emit_failed", traj=traj.traj_id, error=repr(exc))
                 self.unemitted.append(traj)
 
+    def _restore(self) -> None:
+        self.resumed, failed = self.store.restore()
+        for sid, why in failed:
+            self.log.error("wal_session_not_resumed", session=sid, error=why,
+                           fix=f"its rows stay in {self.wal.path} (tables sessions, journal)")
+        self.resend, bad = self.wal.pending()
+        if bad:
+            self.log.error("wal_rows_undecodable", trajectories=bad, path=str(self.wal.path))
+        if self.resumed or self.resend:
+            self.log.warning("wal_restored", sessions_resumed=self.resumed, trajectories_resent=len(self.resend),
+                             path=str(self.wal.path))
+        self.metrics.inc("wal.sessions_resumed", self.resumed)
+        self.metrics.inc("wal.trajectories_resent", len(self.resend))
+
+    def settled(self, traj_ids) -> None:
+        """The trainer has these trajectories (accepted, consumed, stale, duplicate or rejected): the WAL
+        forgets them. Ids that are not ours (acks go to every producer) cost nothing."""
+        if self.wal is not None:
+            self.wal.forget(traj_ids)
+
     async def end_session(self, session: Session, reason: str, reward: float | None = None) -> list:
         """Wait for the session's in-flight turns (their completions are recorded), then end it."""
         session.closing = True
@@ -226,6 +261,8 @@ class Gateway(PolicyChat, AnthropicRoutes, RLRoutes):
 
     async def on_startup(self, app) -> None:
         self._sweeper = asyncio.get_running_loop().create_task(self.sweep())
+        resend, self.resend = self.resend, []
+        self._emit(resend)
 
     async def on_shutdown(self, app) -> None:
         if self._sweeper is not None:
@@ -301,7 +338,7 @@ class Gateway(PolicyChat, AnthropicRoutes, RLRoutes):
 
 
 def make_app(cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, emit=None, admission=None,
-             log=None, metrics=None) -> web.Application:
+             log=None, metrics=None, wal=None) -> web.Application:
     """The gateway as an aiohttp application.
 
     backend: serves the policy (``backend.Backend``). tokenizer: the policy's HF tokenizer (chat
@@ -312,9 +349,11 @@ def make_app(cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, em
     once per POST /rl/sessions (a ticket means the session is admitted, with that admission slot, which
     its requests carry; None means refused: a 429 with Retry-After). log: a structlog logger.
     metrics: an ``areal_bus.metrics.Metrics`` for the gateway's counters (the node's, so that they ride
-    on its heartbeats; a fresh one if None).
+    on its heartbeats; a fresh one if None). wal: a ``wal.GatewayWAL`` that makes every 2xx durable
+    (None: sessions and unacknowledged trajectories live in memory only).
     """
-    gw = Gateway(cfg, backend, tokenizer, router=router, emit=emit, admission=admission, log=log, metrics=metrics)
+    gw = Gateway(cfg, backend, tokenizer, router=router, emit=emit, admission=admission, log=log, metrics=metrics,
+                 wal=wal)
     app = web.Application(middlewares=[_errors], client_max_size=cfg.max_body_bytes)
     app[GATEWAY] = gw
     for prefix in ("", "/gateway"):

@@ -2,7 +2,9 @@
 
 Policy-model requests go to the rollout workers through ``BusBackend`` (sticky per session); ended
 sessions leave as trajectories to the reward node (or the trainer), kept until the trainer acknowledges
-them and resent if their consumer restarts. New sessions pass the same staleness admission as the agent
+them and resent if their consumer restarts. With ``wal`` on (the default) they are kept on disk too, as
+are open sessions (nodes/gateway/wal.py): a restarted gateway resumes its sessions and resends what the
+trainer has not acknowledged. New sessions pass the same staleness admission as the agent
 node's episodes (they share the rule's budget); while the system is too far ahead, POST /rl/sessions
 answers 429 with Retry-After. Requests for other models go through the model router when
 ``nodes.gateway.config.router_config`` names one.
@@ -23,9 +25,11 @@ from areal_bus.admission import Admission
 from areal_bus.channels import ReliableSender, open_socket
 from areal_bus.ledger import Ledger, ledger_path
 from areal_bus.node import NodeShell
+from areal_bus.trajectory_check import check_trajectory, model_vocab_size, reason_code
 from areal_bus.version import PolicyVersion
-from nodes.gateway.app import make_app, start_server
+from nodes.gateway.app import GATEWAY, make_app, start_server
 from nodes.gateway.bus_backend import BusBackend
+from nodes.gateway.wal import GatewayWAL, wal_path
 
 HUB_TICK_S = 0.02
 """How often the event loop drains the hub and flushes the trajectory sender: fast enough that a
@@ -100,9 +104,19 @@ def run(topo, replica: int = 0, base=None) -> int:
     def admit() -> tuple[int | None, float]:
         return admit_session(admission, shell.version, shell.metrics)
 
+    vocab_size = model_vocab_size(topo.model_path(base))
+
     def emit(traj: m.Trajectory) -> None:
         if traj.traj_id != traj.episode_id:  # a session's extra branch (n > 1, rewritten history): one more sample
             admission.admit(1)
+        # The trainer's own check (ids against the policy's vocabulary; versions it checks itself, as
+        # ours may lag): one it would refuse never leaves, and its slot comes back at once.
+        if (reason := check_trajectory(traj, vocab_size, None)) is not None:
+            admission.abandon(1)
+            shell.metrics.inc(f"rejected.{reason_code(reason)}")
+            shell.log.error("trajectory_rejected", session=traj.episode_id, traj=traj.traj_id, reason=reason)
+            app[GATEWAY].settled([traj.traj_id])
+            return
         traj.source = source
         ledger.write("produced", ids=[traj.traj_id])
         sender.offer(traj.traj_id, traj)
@@ -113,6 +127,8 @@ def run(topo, replica: int = 0, base=None) -> int:
         for _, msg in shell.drain_hub():
             if isinstance(msg, m.TrajAck):
                 sender.settle(msg)
+                app[GATEWAY].settled([*msg.consumed, *msg.stale, *msg.duplicate, *msg.accepted,
+                                      *getattr(msg, "rejected", ())])
             elif isinstance(msg, m.RunState):
                 shell.policy = max(shell.policy, PolicyVersion(msg.lineage, msg.version))
                 admission.follow(msg, source)  # totals, not acks: a lost hub message leaks no slot
@@ -123,9 +139,16 @@ def run(topo, replica: int = 0, base=None) -> int:
         shell.metrics.gauge("queue.unacked", len(sender.unacked))
         shell.metrics.gauge("capacity", admission.capacity(shell.version))
 
+    app = None
+
     async def main() -> None:
+        nonlocal app
         app = make_app(cfg, backend, tokenizer, router=router, emit=emit, admission=admit, log=shell.log,
-                       metrics=shell.metrics)
+                       metrics=shell.metrics, wal=wal)
+        gw = app[GATEWAY]
+        # Sessions resumed and trajectories resent from the WAL were admitted by the incarnation that
+        # died: this one's counts start at zero, and the trainer will count them under our source.
+        admission.admit(gw.resumed + sum(t.traj_id == t.episode_id for t in gw.resend))
         runner = await start_server(app, cfg)
         backend.start()
         shell.announce_start(host=cfg.host, port=cfg.port, policy_model=cfg.policy_model,
@@ -146,12 +169,15 @@ def run(topo, replica: int = 0, base=None) -> int:
                 await router.close()
 
     backend = BusBackend(shell.ctx, shell.endpoint("gwork", replica), shell.encoder, shell.metrics)
+    wal = GatewayWAL(wal_path(shell.log_dir, shell.node_id), fsync=cfg.wal_fsync) if cfg.wal else None
     try:
         import uvloop
 
         uvloop.run(main())
     finally:
         backend.close()
+        if wal is not None:
+            wal.close()
         ledger.close()
         shell.close()
     return 0

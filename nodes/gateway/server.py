@@ -19,6 +19,7 @@ import json
 from typing import TYPE_CHECKING
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from nodes.gateway import anthropic_api
 from nodes.gateway.guard import ProtocolLog
@@ -83,6 +84,10 @@ async def _errors(request: web.Request, handler):
         return await handler(request)
     except OpenAIError as err:
         gw.count_refusal(request, err.status, _reason(err))
+        if err.status == 408:  # the body did not arrive in time: what is left of it is not worth reading
+            resp = json_response(err.body(), status=err.status, headers=err.headers)
+            resp.force_close()
+            return resp
         if anthropic:
             return json_response(anthropic_api.error_body(err.status, err.message), status=err.status,
                                  headers=err.headers)
@@ -121,13 +126,98 @@ def _reason(err: OpenAIError) -> str:
     return getattr(err, "reason", None) or err.code or f"http_{err.status}"
 
 
+class _HeaderDeadline(RequestHandler):
+    """aiohttp's connection handler with a deadline on each request's head. aiohttp closes a connection
+    that sends nothing (its keep-alive timer), but cancels that timer at the first byte and then waits
+    for the rest of the headers for ever: a client that sends half a header holds the connection and
+    its buffers (issue 17: 220 held for 20 s and more). Here the head must be complete within
+    ``header_timeout_s`` of the connection opening or of the first byte after a reply. Relies on
+    aiohttp's ``_messages`` (parsed requests not yet handled) and ``_current_request``, as of 3.14;
+    tests/test_gateway_timeouts.py fails if they change meaning."""
+
+    __slots__ = ("_deadline", "_header_timeout_s", "_on_timeout")
+
+    def __init__(self, *args, header_timeout_s: float, on_timeout, **kw):
+        super().__init__(*args, **kw)
+        self._header_timeout_s, self._on_timeout, self._deadline = header_timeout_s, on_timeout, None
+
+    def _waiting_for_head(self) -> bool:
+        return self._current_request is None and not self._messages
+
+    def _arm(self) -> None:
+        if self._deadline is None:
+            self._deadline = self._loop.call_later(self._header_timeout_s, self._expire)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self) -> None:
+        self._deadline = None
+        if self._waiting_for_head() and self.transport is not None:
+            self._on_timeout()
+            self.force_close()  # closes the transport; the parser's buffers go with the handler
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._waiting_for_head():
+            self._arm()  # a head begun (or still incomplete): it has until the deadline
+        else:
+            self._disarm()  # a whole head parsed, or bytes of a body being read: the body has its own
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+class _Factory:
+    """The server's protocol factory, making ``_HeaderDeadline`` handlers with what aiohttp's
+    ``Server.__call__`` gives its own (``runner.server`` stays the one aiohttp shuts down)."""
+
+    def __init__(self, server, header_timeout_s: float, on_timeout):
+        self.server, self.header_timeout_s, self.on_timeout = server, header_timeout_s, on_timeout
+
+    def __call__(self) -> RequestHandler:
+        return _HeaderDeadline(self.server, loop=self.server._loop, header_timeout_s=self.header_timeout_s,
+                               on_timeout=self.on_timeout, **self.server._kwargs)
+
+
+class _Site(web.TCPSite):
+    """web.TCPSite listening with ``_Factory``'s handlers (TCPSite.start, the factory swapped)."""
+
+    def __init__(self, runner, host, port, factory: _Factory):
+        super().__init__(runner, host, port)
+        self._factory = factory
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._factory, self._host, self._port,
+                                                backlog=self._backlog, reuse_address=self._reuse_address,
+                                                reuse_port=self._reuse_port)
+        if self._server.sockets:
+            self._bound_port = self._server.sockets[0].getsockname()[1]
+
+
 async def start_server(app: web.Application, cfg: GatewayConfig) -> web.AppRunner:
     """Listen on cfg.host:cfg.port (``bound_port(runner)`` says which, for port 0). GatewayStartError
-    with what to do if the port is taken or the address is wrong."""
+    with what to do if the port is taken or the address is wrong. A request head not complete within
+    ``cfg.header_timeout_s`` closes its connection (counted as http.rejected.header_timeout); the body's
+    deadline (``cfg.body_timeout_s``) is kept where it is read (``app.Gateway.read_json``)."""
     gw = app[GATEWAY]
     runner = web.AppRunner(app, access_log=None, handle_signals=False, logger=ProtocolLog(gw.metrics, gw.log))
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port)
+
+    def timed_out() -> None:
+        gw.metrics.inc("http.rejected")
+        gw.metrics.inc("http.rejected.header_timeout")
+
+    site = _Site(runner, cfg.host, cfg.port, _Factory(runner.server, cfg.header_timeout_s, timed_out))
     try:
         await site.start()
     except OSError as exc:

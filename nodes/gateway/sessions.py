@@ -31,6 +31,11 @@ Keys: ``<session id>.<secret>`` (a selector and a verifier). The session id is n
 URLs, logs and response ids), so finding the session by it leaks nothing; only sha256(secret) is
 stored, and it is compared with ``hmac.compare_digest`` on digests of equal length, so the time a
 check takes says nothing about how much of a guessed secret was right. A leaked store holds no key.
+
+Durability (``wal``, a ``wal.GatewayWAL``): with one, every change a client is answered for is written
+there first: a session opened (its key digest, never the key), a turn recorded, a reward, a session
+ended (its trajectories replace its record). ``restore`` replays the log into a fresh store, so a
+restarted gateway holds the open sessions as they were and their keys keep working.
 """
 
 from __future__ import annotations
@@ -150,6 +155,11 @@ class Session:
     ended: bool = False
 
 
+def _point_index(branch: Branch | None) -> int | None:
+    """A branch point's name in the WAL: the completion index its turn added (one per point)."""
+    return None if branch is None else branch.own_parts[-1][2]
+
+
 def key_digest(secret: str) -> bytes:
     """sha256 of a key as it came off the wire. surrogateescape: a header with bytes that are not UTF-8
     (aiohttp decodes them as lone surrogates) hashes to a digest that matches nothing, not an error."""
@@ -168,8 +178,9 @@ def _prefix_hashes(history, h: int = 0) -> list[int]:
 
 
 class SessionStore:
-    def __init__(self, max_sessions: int = 1000, idle_timeout_s: float = 300.0, clock=time.monotonic):
+    def __init__(self, max_sessions: int = 1000, idle_timeout_s: float = 300.0, clock=time.monotonic, wal=None):
         self.max_sessions = max_sessions
+        self.wal = wal  # GatewayWAL or None (in memory only: lost with the process)
         self.idle_timeout_s = idle_timeout_s
         self.clock = clock
         self.sessions: dict[str, Session] = {}
@@ -190,6 +201,8 @@ class SessionStore:
         if ticket is None:
             ticket, self._tickets = self._tickets, self._tickets + 1
         session = Session(sid, key_digest(secret), now, now, ticket, group_id, dict(meta or {}))
+        if self.wal is not None:
+            self.wal.opened(session)
         self.sessions[sid] = session
         return session, f"{sid}.{secret}"
 
@@ -257,6 +270,15 @@ class SessionStore:
         returns, whether or not the client is still connected."""
         if session.ended:
             raise RuntimeError(f"session {session.id} ended before its turn was recorded")
+        reserved, first = first is not None, session.completions if first is None else first
+        if self.wal is not None:  # on disk before the reply: a 2xx turn survives the process
+            depth = base.depth if base is not None else 0
+            self.wal.turn(session.id, _point_index(base), prompt_ids, env_ids, tools_key, first,
+                          [(ch, ch.history[depth:]) for ch in choices])
+        if reserved:
+            session.reserved.difference_update(range(first, first + len(choices)))
+        else:
+            session.completions += len(choices)
         if base is None:
             session.segments += 1
             segment, prefix, depth, key = session.segments, (), 0, 0
@@ -266,12 +288,7 @@ class SessionStore:
             prefix = (("env", np.asarray(env_ids, dtype=np.int32)),)
         indices, made = [], []
         for k, ch in enumerate(choices):
-            if first is None:
-                idx = session.completions
-                session.completions += 1
-            else:
-                idx = first + k
-                session.reserved.discard(idx)
+            idx = first + k
             indices.append(idx)
             new = tuple(ch.history[depth:])  # the messages after base's: the request's own and the reply
             made.append(Branch(prompt, (*prefix, ("comp", ch.completion, idx, ch.temperature)), new,
@@ -294,17 +311,20 @@ class SessionStore:
         """Reward one completion (by its index in the session) or the whole session (the outcome)."""
         if not math.isfinite(value):
             raise ValueError(f"reward must be a finite number, got {value!r}")
+        if discount is not None and not 0.0 < discount <= 1.0:
+            raise ValueError(f"discount must be in (0, 1], got {discount!r}")
+        if completion_index is not None and not (0 <= completion_index < session.completions
+                                                 and completion_index not in session.reserved):
+            raise KeyError(f"session {session.id} has no completion {completion_index} "
+                           f"(it has {session.completions}: 0..{session.completions - 1})")
+        if self.wal is not None:
+            self.wal.reward(session.id, float(value), completion_index, discount)
         if discount is not None:
-            if not 0.0 < discount <= 1.0:
-                raise ValueError(f"discount must be in (0, 1], got {discount!r}")
             session.discount = discount
         if completion_index is None:
             session.outcome = float(value)
-        elif 0 <= completion_index < session.completions and completion_index not in session.reserved:
-            session.rewards[completion_index] = float(value)
         else:
-            raise KeyError(f"session {session.id} has no completion {completion_index} "
-                           f"(it has {session.completions}: 0..{session.completions - 1})")
+            session.rewards[completion_index] = float(value)
         self.touch(session)
 
     def _returns(self, session: Session, idx: list[int]) -> list[float] | None:
@@ -329,12 +349,54 @@ class SessionStore:
             return []
         if reward is not None:
             self.reward(session, reward)
+        trajs = [self._trajectory(session, b, i, reason) for i, b in enumerate(session.branches)]
+        if self.wal is not None:  # the trajectories are on disk before the session is gone (and /end answers)
+            self.wal.ended(session.id, trajs)
         session.ended = session.closing = True
         self.sessions.pop(session.id, None)
         self.ended[session.id] = (session.key_hash, reason)
         while len(self.ended) > ENDED_REMEMBERED:
             self.ended.popitem(last=False)
-        return [self._trajectory(session, b, i, reason) for i, b in enumerate(session.branches)]
+        return trajs
+
+    # -- restart --------------------------------------------------------------------------------
+
+    def restore(self) -> tuple[int, list[tuple[str, str]]]:
+        """Replay the WAL's open sessions into this (empty) store: (sessions resumed, [(session id, why)]
+        for any that would not replay; those stay in the WAL, untouched, for a person to look at)."""
+        wal, self.wal = self.wal, None  # replaying writes nothing back
+        resumed, failed = 0, []
+        try:
+            for sid, key_hash, ticket, group_id, meta, journal in wal.open_sessions():
+                now = self.clock()
+                session = Session(sid, key_hash, now, now, ticket, group_id, meta)
+                try:
+                    for entry in journal:
+                        self._replay(session, entry)
+                except Exception as exc:  # deliberately tolerated: one bad record must not keep the gateway down
+                    failed.append((sid, f"{type(exc).__name__}: {exc}"))
+                    continue
+                self.sessions[sid] = session
+                self._tickets = max(self._tickets, ticket + 1)
+                resumed += 1
+        finally:
+            self.wal = wal
+        return resumed, failed
+
+    def _replay(self, session: Session, entry: dict) -> None:
+        if entry["t"] == "reward":
+            self.reward(session, entry["value"], entry["index"], entry["discount"])
+            return
+        base = None
+        if entry["base"] is not None:
+            base = next(b for bs in session.index.values() for b in bs if _point_index(b) == entry["base"])
+        before = base.history if base is not None else ()
+        choices = [Choice(comp, {}, closed, (*before, *new), temp) for comp, closed, new, temp in entry["choices"]]
+        first = entry["first"]
+        session.completions = max(session.completions, first + len(choices))
+        prompt = np.frombuffer(entry["prompt"], dtype=np.int32) if entry["prompt"] is not None else None
+        env = np.frombuffer(entry["env"], dtype=np.int32) if entry["env"] is not None else None
+        self.record(session, base, prompt, env, entry["tools"], choices, first)
 
     def expire_idle(self, now: float | None = None) -> list[Trajectory]:
         """End every session idle for longer than the timeout (none with a request in flight)."""

@@ -5,7 +5,10 @@ descriptors measured apart from the clients', its log output captured whole), an
 against the gateway without starting the system. Same app, same routes and limits as the gateway node;
 only the backend differs (an engine thread here instead of rollout workers over ZeroMQ), and ended
 sessions' trajectories are written, one JSON line each (ids, sizes, reward; not the tokens), to
-``--trajectories`` instead of going to the trainer.
+``--trajectories`` instead of going to the trainer. With ``--wal`` (or ``--log-dir``, whose
+``spool/gateway-standalone.wal.sqlite`` it then is) open sessions and ended ones survive a kill -9: a
+restarted standalone gateway on the same WAL resumes the sessions (their keys keep working) and writes
+the ended trajectories it had not written yet; a line in ``--trajectories`` is this process's "accepted".
 
     AREAL_BUS_ADMIN_TOKEN=$(openssl rand -hex 16) .venv/bin/python -m nodes.gateway.standalone \\
         --model models/tiny-guess --port 9000 --log-dir logs
@@ -38,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for a tiny model)")
     p.add_argument("--log-dir", type=Path, default=None, help="write gateway.log here (stdout otherwise)")
     p.add_argument("--trajectories", type=Path, default=None, help="append one JSON line per trajectory")
+    p.add_argument("--wal", type=Path, default=None, help="the gateway's WAL (default: <log-dir>/spool/"
+                   "gateway-standalone.wal.sqlite with --log-dir, none without)")
     p.add_argument("--config", default="{}", help="more GatewayConfig fields as a JSON object "
                    "(e.g. '{\"max_sessions\": 2000, \"max_pending_requests\": 64}')")
     return p.parse_args(argv)
@@ -57,6 +62,7 @@ async def serve(args, log) -> None:
     from areal_bus.tasks.runner import load_tokenizer
     from nodes.gateway.app import bound_port, make_app, start_server
     from nodes.gateway.backend import LocalEngineBackend
+    from nodes.gateway.wal import GatewayWAL, wal_path
 
     torch.set_num_threads(args.threads)
     token = os.environ.get("AREAL_BUS_ADMIN_TOKEN", "")
@@ -66,16 +72,20 @@ async def serve(args, log) -> None:
                         **json.loads(args.config))
     backend = LocalEngineBackend(TorchRolloutEngine(args.model, max_batch=args.max_batch, max_len=args.max_len))
     out = open(args.trajectories, "a", buffering=1) if args.trajectories else None
+    path = args.wal or (wal_path(args.log_dir, "gateway-standalone") if args.log_dir else None)
+    wal = GatewayWAL(path, fsync=cfg.wal_fsync) if path is not None and cfg.wal else None
 
     def emit(traj) -> None:
         if out is not None:
-            out.write(trajectory_line(traj) + "\n")
+            out.write(trajectory_line(traj) + "\n")  # line-buffered: in the kernel once written
+        if wal is not None:  # the file is this gateway's trainer: written is accepted
+            wal.forget([traj.traj_id])
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    runner = await start_server(make_app(cfg, backend, load_tokenizer(args.model), emit=emit, log=log), cfg)
+    runner = await start_server(make_app(cfg, backend, load_tokenizer(args.model), emit=emit, log=log, wal=wal), cfg)
     try:
         print(f"READY port={bound_port(runner)} pid={os.getpid()}", flush=True)
         await stop.wait()
@@ -84,6 +94,8 @@ async def serve(args, log) -> None:
         backend.close()
         if out is not None:
             out.close()
+        if wal is not None:
+            wal.close()
 
 
 def _die_with_parent() -> None:
