@@ -2,6 +2,7 @@
 
   areal-bus run [supervisord.conf | TOPOLOGY]      the main command: run to the end with a progress line;
                                                     exit 0 when training finished, 1 with the reason if not
+  areal-bus run --resume | --new-run                over an unfinished run: continue it, or move it aside
   areal-bus render TOPOLOGY [-o supervisord.conf]   write the supervisord.conf for a topology
   areal-bus validate TOPOLOGY                       check a topology and the files it names, print it resolved
   areal-bus node KIND --topology T [--replica N]    run one node (what supervisord runs)
@@ -134,7 +135,7 @@ def cmd_run(args) -> int:
         print(f"areal-bus run: {args.target} not found", file=sys.stderr)
         return 2
     try:
-        return run(args.target, args.output)
+        return run(args.target, args.output, new_run=args.new_run, resume=args.resume)
     except RunError as err:
         print(f"areal-bus run: {err}", file=sys.stderr)
         return 2
@@ -174,6 +175,12 @@ def main(argv=None) -> int:
     rn = sub.add_parser("run", help="run a topology (or its rendered conf) to the end; non-zero exit if it fails")
     rn.add_argument("target", nargs="?", default="supervisord.conf", help="supervisord.conf or a topology YAML")
     rn.add_argument("-o", "--output", default=None, help="where a topology's conf is rendered (default <stem>.conf)")
+    once = rn.add_mutually_exclusive_group()
+    once.add_argument("--resume", action="store_true",
+                      help="continue the unfinished run in log_dir from its spool and newest checkpoint")
+    once.add_argument("--new-run", action="store_true",
+                      help="move an unfinished run in log_dir (logs, spool, checkpoints) to log_dir/runs/<id>/ "
+                      "and start a new one")
     rn.set_defaults(fn=cmd_run)
     r = sub.add_parser("render", help="write a supervisord.conf for a topology")
     r.add_argument("topology")

@@ -4,10 +4,16 @@ progress line, and exits 0 when training finished, 1 with a one-line reason when
   areal-bus run                        the checked-in supervisord.conf (topology/default.yaml)
   areal-bus run topology/sim.yaml      validate and render it to sim.conf (-o to choose), then run it
   areal-bus run other.conf
+  areal-bus run --resume               continue the unfinished run in log_dir (its spool and checkpoints)
+  areal-bus run --new-run              move the unfinished run in log_dir aside, then start a new one
 
 Before it starts, a previous run's logs in log_dir move to ``log_dir/runs/<its run id>/``, so every
-log in log_dir is this run's and none is appended to (checkpoints/ and spool/ stay: ``--resume``
-reads them, and they name their run themselves). ``log_dir/run_outcome.json`` says how the run went:
+log in log_dir is this run's and none is appended to. Its spool/ and checkpoints/ go there too unless
+``--resume`` continues from them. Over a run that did not finish (its spool says so, and it left
+accepted trajectories or checkpoints) it refuses without ``--resume`` or ``--new-run``: nothing of an
+unfinished run is emptied or overwritten by accident. It refuses as well while the processes of an
+earlier run in log_dir live on (an orphan of a supervisord that died: it would share the run's
+sockets and files), naming them. ``log_dir/run_outcome.json`` says how the run went:
 ``running``, then ``ok`` or ``failed`` with the reason, written by the run-end listener
 (areal_bus/runend.py) that ends the run, or here when supervisord stopped without it.
 
@@ -24,6 +30,7 @@ import re
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -48,6 +55,13 @@ RUN_FILES = ("*.log", "*.log.[0-9]", "*.jsonl", "*.png", OUTCOME)
 RUN_FOLDERS = ("resolved", "ledger", "supervisor")
 """What a run writes in log_dir and leaves for the next one to move aside (checkpoints/ and spool/
 are not in it: see the module docstring)."""
+RUN_DATA = ("spool", "checkpoints")
+"""What a run keeps for ``--resume``: moved aside with its logs when a new run starts instead."""
+RESUME_ENV = "AREAL_BUS_RESUME"
+"""Set to 1 in supervisord's environment by ``areal-bus run --resume``; supervisord hands it to the
+trainer, which then resumes as ``areal-bus node trainer --resume`` does. An environment variable, not
+a file: it lives exactly as long as that supervisord, so a later bare ``supervisord -c`` never
+resumes (nor starts over) by accident."""
 
 
 @dataclass
@@ -97,6 +111,65 @@ def supervisord_running(log_dir: Path) -> bool:
             return True
         except OSError:  # a stale socket of a supervisord that is gone
             return False
+
+
+def previous_run(log_dir: Path) -> dict | None:
+    """The run whose spool is in log_dir: {epoch, finished, rows, checkpoints}, None without a spool.
+    Read from the spool's own metadata (sqlite; the trainer that wrote it is gone)."""
+    path = log_dir / "spool" / "spool.sqlite"
+    if not path.exists():
+        return None
+    db = sqlite3.connect(path, timeout=5)  # read only (a read-only open cannot read a crashed run's WAL)
+    try:
+        meta = dict(db.execute("SELECT key, value FROM meta"))
+        rows = db.execute("SELECT count(*) FROM spool").fetchone()[0]
+    except sqlite3.DatabaseError:  # not a spool of this code's: nothing to say about its run
+        return None
+    finally:
+        db.close()
+    ckpts = [p for p in (log_dir / "checkpoints").glob("step_*") if p.is_dir()] \
+        if (log_dir / "checkpoints").is_dir() else []
+    return {"epoch": meta.get("epoch", ""), "finished": meta.get("finished") == "1", "rows": rows,
+            "checkpoints": len(ckpts)}
+
+
+def unfinished(prev: dict | None) -> bool:
+    """A run that did not finish and left something a new start would destroy."""
+    return bool(prev and prev["epoch"] and not prev["finished"] and (prev["rows"] or prev["checkpoints"]))
+
+
+def orphans(log_dir: Path) -> list[tuple[int, str]]:
+    """(pid, command line) of live processes that a supervisord of log_dir started (their environment
+    names its socket) while none answers there: what a supervisord that died left running."""
+    url = f"unix://{os.path.realpath(log_dir / 'supervisor.sock')}".encode()
+    mine = {os.getpid(), os.getppid()}
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        for var in env:
+            if var.startswith(b"SUPERVISOR_SERVER_URL="):
+                got = var.split(b"=", 1)[1]
+                if got.startswith(b"unix://") and \
+                        f"unix://{os.path.realpath(got[7:].decode(errors='replace'))}".encode() == url:
+                    if int(proc.name) not in mine and cmd:
+                        found.append((int(proc.name), cmd))
+                break
+    return sorted(found)
+
+
+def move_run_data(log_dir: Path, dest: Path) -> list[Path]:
+    """Move spool/ and checkpoints/ into ``dest`` (the folder the run's logs went to); what moved."""
+    moved = []
+    for name in RUN_DATA:
+        if (log_dir / name).exists():
+            dest.mkdir(parents=True, exist_ok=True)
+            os.replace(log_dir / name, dest / name)
+            moved.append(dest / name)
+    return moved
 
 
 def _run_id(log_dir: Path) -> str:
@@ -252,13 +325,24 @@ def _supervisord() -> str:
     return str(here) if here.exists() else (shutil.which("supervisord") or "supervisord")
 
 
-def run(target: str, output: str | None = None) -> int:
+def run(target: str, output: str | None = None, new_run: bool = False, resume: bool = False) -> int:
+    if new_run and resume:
+        raise RunError("--new-run and --resume exclude each other: start anew, or continue the last run")
     t = resolve(target, output)
     log_dir = t.log_dir
     if supervisord_running(log_dir):
         raise RunError(f"a run is already going on in {log_dir} (its supervisord answers on "
                        f"{log_dir / 'supervisor.sock'}): wait for it, or stop it with "
                        f"`supervisorctl -c {t.conf} shutdown`")
+    if left := orphans(log_dir):
+        shown = "; ".join(f"pid {pid}: {cmd[:80]}" for pid, cmd in left[:4]) + ("; ..." if len(left) > 4 else "")
+        raise RunError(f"{len(left)} processes of an earlier run in {log_dir} are still alive, though its "
+                       f"supervisord is gone ({shown}): stop them first: kill {' '.join(str(p) for p, _ in left)}")
+    prev = previous_run(log_dir)
+    if unfinished(prev) and not (new_run or resume):
+        raise RunError(f"{log_dir} holds the unfinished run {prev['epoch']} ({prev['rows']} accepted trajectories "
+                       f"in spool/, {prev['checkpoints']} checkpoints): `areal-bus run --resume` continues it, "
+                       f"`areal-bus run --new-run` moves it to {log_dir / 'runs'}/<its run id>/ and starts a new run")
     if t.topo.replicas("gateway") and t.topo.gateway_config().admin_token is None:
         raise RunError("nodes.gateway.config.admin_token is empty: the gateway will not start without one; "
                        "export AREAL_BUS_ADMIN_TOKEN (8+ characters) first")
@@ -266,14 +350,19 @@ def run(target: str, output: str | None = None) -> int:
     (log_dir / "supervisor").mkdir(parents=True, exist_ok=True)
     if moved is not None:
         print(f"areal-bus run: the previous run's logs are now in {os.path.relpath(moved)}", file=sys.stderr)
+    if not resume:  # a new run: the last one's spool and checkpoints go with its logs, never under the new one
+        dest = moved or log_dir / "runs" / (prev["epoch"] if prev and prev["epoch"] else _run_id(log_dir))
+        for path in move_run_data(log_dir, dest):
+            print(f"areal-bus run: the previous run's {path.name}/ is now in {os.path.relpath(dest)}", file=sys.stderr)
     started = time.time()
     run_id = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
     outcome = log_dir / OUTCOME
     write_outcome(outcome, run=run_id, status="running", started=time.strftime("%Y-%m-%dT%H:%M:%S"),
                   conf=str(t.conf), topology=str(t.topology))
-    env = {**os.environ, "AREAL_BUS_RUN_OUTCOME": str(outcome),
+    env = {**{k: v for k, v in os.environ.items() if k != RESUME_ENV}, "AREAL_BUS_RUN_OUTCOME": str(outcome),
            # The nodes and the listener run `areal-bus` from this command's own environment.
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           **({RESUME_ENV: "1"} if resume else {})}
     with open(log_dir / "supervisor" / "supervisord.out", "wb") as console:
         # Its own session: Ctrl-C reaches this command, which stops supervisord in order.
         proc = subprocess.Popen([_supervisord(), "-n", "-c", str(t.conf)], cwd=t.conf.parent, env=env,

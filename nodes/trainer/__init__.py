@@ -10,9 +10,13 @@ the update on a compute thread; the engine (sim, torch, parallel torch) is
 Crash safety (``durability.spool``, on by default): a received trajectory is accepted only once
 committed to the spool (areal_bus/spool.py), and only then do producers forget it. Checkpoints carry
 the consumed ids and admission totals; rows leave the spool once a checkpoint on disk covers them. A
-trainer that supervisord restarts resumes from the run's newest checkpoint, re-queues every spooled
-row that checkpoint does not cover, keeps the run's epoch (so agents count on, not over) and
-announces a new weight lineage (rollout workers roll back with it). Every accepted, trained and
+trainer that supervisord restarts resumes from the run's newest checkpoint that verifies (a damaged
+one is passed over and logged as an error; the spool keeps rows until the checkpoint after the one
+covering them is sealed), re-queues every spooled row that checkpoint does not cover, keeps the run's
+epoch (so agents count on, not over) and announces a new weight lineage (rollout workers roll back
+with it). A trainer started by a new supervisord over an unfinished run refuses to start
+(``recovery.UnfinishedRun``) unless it resumes (``--resume``, or ``AREAL_BUS_RESUME=1`` in its
+environment: what ``areal-bus run --resume`` sets). Every accepted, trained and
 dropped id goes to ``logs/ledger/trainer-0.jsonl`` (areal_bus/ledger.py), which bench/chaos.py audits.
 
 After max_steps updates (and the checkpoint due then) the trainer publishes the finished run state
@@ -23,15 +27,17 @@ Run: areal-bus node trainer --topology topology/default.yaml
 
 from __future__ import annotations
 
+import os
 import time
 
 from areal_bus import messages as m
 from areal_bus.constants import HEARTBEAT_INTERVAL_S
 from areal_bus.engines.train_engine import build_train_engine
 from areal_bus.node import NodeShell
+from areal_bus.run import RESUME_ENV
 from areal_bus.spool import Spool
 from nodes.trainer.core import TrainerCore, TrainQueue
-from nodes.trainer.recovery import Start, plan_start, resume_state, supervisor_instance, write_run_state
+from nodes.trainer.recovery import Start, UnfinishedRun, plan_start, resume_state, supervisor_instance, write_run_state
 from nodes.trainer.wiring import TrainerIO
 
 __all__ = ["run", "TrainerCore", "TrainQueue", "Start", "plan_start", "resume_state", "write_run_state"]
@@ -44,7 +50,12 @@ def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
     dur = topo.durability
     spool = Spool(shell.log_dir / "spool" / "spool.sqlite", dur.sync_every_ms, dur.batch_rows, dur.fsync) \
         if dur.spool else None
-    start = plan_start(spool, shell.log_dir / "checkpoints", resume, shell.incarnation, supervisor_instance())
+    resume = resume or os.environ.get(RESUME_ENV) == "1"
+    try:
+        start = plan_start(spool, shell.log_dir / "checkpoints", resume, shell.incarnation, supervisor_instance())
+    except UnfinishedRun as err:  # logged, then raised: the run-end listener quotes it as the run's end
+        shell.log.error("unfinished_run", reason=str(err))
+        raise
     if start.finished:
         return _finished_already(shell, start, spool)
     engine = build_train_engine(topo, base, checkpoint=start.folder)
