@@ -40,7 +40,13 @@ def make_engine(topo, worker: str, replica: int, base=None) -> BuiltRolloutEngin
     (naming the extra to install) for vLLM where it is not installed."""
     cfg = topo.rollout_engine
     if cfg.kind == "sim":
-        return BuiltRolloutEngine(SimRolloutEngine(cfg, worker), _keeps_nothing)
+        # Simulated tokens stay inside the run's model vocabulary where there is one (a gateway serves
+        # them through its tokenizer, and the gateway and trainer refuse ids past it).
+        from areal_bus.trajectory_check import model_vocab_size
+
+        vocab = model_vocab_size(topo.model_path(base))
+        engine = SimRolloutEngine(cfg, worker) if vocab is None else SimRolloutEngine(cfg, worker, vocab_size=vocab)
+        return BuiltRolloutEngine(engine, _keeps_nothing)
     if cfg.kind == "vllm":
         from areal_bus.engines.vllm_engine import engine_from_topology
 
