@@ -22,7 +22,8 @@ from typing import Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
-from areal_bus.node_configs import GatewayConfig, NoConfig, ProbeConfig, RewardNodeConfig
+from areal_bus.constants import WATCHDOG_RESTART_MAX_S
+from areal_bus.node_configs import REDACTED, SECRET, GatewayConfig, NoConfig, ProbeConfig, RewardNodeConfig
 
 NODE_KINDS = ("bus", "gateway", "agent", "rollout", "reward", "trainer", "weights", "probe")
 
@@ -77,6 +78,10 @@ class DurabilityConfig(_Strict):
     batch_rows: int = Field(64, ge=1, le=100_000, description="...or as soon as this many are waiting.")
     fsync: bool = Field(False, description="Flush to disk at every commit (SQLite synchronous=FULL): survives power "
                         "loss too, not only process crashes (kill -9), at one disk flush per commit.")
+    watchdog_restart_s: float = Field(30.0, ge=0, le=WATCHDOG_RESTART_MAX_S, description="A node whose heartbeat "
+                                      "stopped while its process lives (SIGSTOP, a hang) is logged as stalled by the "
+                                      "watchdog in the run-end listener after WATCHDOG_SILENT_S, and killed (supervisord "
+                                      "restarts it) once silent this long. 0: only logged.")
 
 
 class AgentConfig(_Strict):
@@ -400,6 +405,7 @@ class Topology(_Strict):
         return self.resolve(self.logging.log_dir, base)
 
     def ipc_dir(self, base: Path | None = None) -> Path:
+        """The ipc folder's name (``endpoint`` makes it, owner-only, through security.private_dir)."""
         if self.endpoints.ipc_dir:
             return Path(self.endpoints.ipc_dir)
         # ipc paths are limited to ~107 bytes by the kernel, so not under a deep checkout.
@@ -425,7 +431,11 @@ class Topology(_Strict):
             spec = self.nodes.get(CHANNEL_OWNERS[channel])
             host = spec.host if spec is not None and spec.host != "localhost" else self.endpoints.host
             return f"tcp://{host}:{self.endpoints.base_port + _PORT_OFFSETS[channel] + replica}"
-        return f"ipc://{self.ipc_dir(base)}/{channel}-{replica}.sock"
+        # Every node and client asks for an address before it opens a socket: the folder is made (or
+        # checked) here, so no socket is ever bound or connected in one another user could write.
+        from areal_bus.security import private_dir
+
+        return f"ipc://{private_dir(self.ipc_dir(base))}/{channel}-{replica}.sock"
 
     def curve_keys(self, base: Path | None = None):
         """The cluster's CURVE keys (security.CurveKeys), or None when the run does not use CURVE.
@@ -592,5 +602,21 @@ def _check_model(field: str, written: str, path: Path) -> list[str]:
 
 
 def dump_resolved(topo: Topology) -> dict:
-    """The fully resolved configuration, as logged at node start."""
-    return topo.model_dump(mode="json", by_alias=True)
+    """The fully resolved configuration, as logged at node start (logs/resolved/<node>.json) and printed
+    by `areal-bus validate`, with every secret-marked field (node_configs.SECRET: the gateway's
+    admin_token) shown as REDACTED: these files are read by people and tools, and outlive the run.
+    Read back, a redacted token is unset (the trainer's other ranks need none)."""
+    return _redact(topo, topo.model_dump(mode="json", by_alias=True))
+
+
+def _redact(model: BaseModel, dumped: dict) -> dict:
+    for name, info in type(model).model_fields.items():
+        key = info.alias or name
+        if key not in dumped:  # Nodes dumps only the listed kinds
+            continue
+        value = getattr(model, name)
+        if isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get(SECRET):
+            dumped[key] = None if value is None else REDACTED
+        elif isinstance(value, BaseModel) and isinstance(dumped[key], dict):
+            _redact(value, dumped[key])
+    return dumped
