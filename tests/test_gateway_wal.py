@@ -162,7 +162,9 @@ def test_a_killed_gateway_node_loses_no_acknowledged_or_open_session():
     system = System({
         "max_steps": 1000,
         "model": {"path": str(REPO / "models" / "tiny-guess")},  # the gateway's tokenizer
-        "nodes": {"bus": {}, "reward": {"replicas": 1}, "trainer": {}, "weights": {},
+        # No agent: its episodes would take the admission budget the test's sessions need, and with the
+        # reward node stopped nothing is consumed to free it.
+        "nodes": {"bus": {}, "agent": {"replicas": 0}, "reward": {"replicas": 1}, "trainer": {}, "weights": {},
                   "gateway": {"config": {"port": port, "admin_token": admin}}},
     })
     url = f"http://127.0.0.1:{port}"
