@@ -140,7 +140,8 @@ def test_without_a_spool_nothing_is_acked_accepted(make_traj):
     assert out.ledger == [("accepted", {"inc": "inc-1", "ids": ["a"]})]
 
 
-def test_spool_rows_are_pruned_only_once_the_checkpoint_covering_them_is_saved(tmp_path, make_traj):
+def test_spool_rows_are_pruned_only_once_a_later_checkpoint_than_the_one_covering_them_is_saved(tmp_path,
+                                                                                                make_traj):
     spool = Spool(tmp_path / "spool.sqlite", sync_every_ms=0, batch_rows=1)
     try:
         core = _core(spool=spool, logging={"save_interval": 1})
@@ -149,7 +150,15 @@ def test_spool_rows_are_pruned_only_once_the_checkpoint_covering_them_is_saved(t
         _, out = _train(core)
         assert len(spool) == 2  # trained, but no checkpoint holds them yet
         out = core.on_saved(out.job, 2.0)
-        assert len(spool) == 0 and out.ledger[0] == ("checkpoint", {"inc": "inc-1", "version": 1})
+        assert out.ledger[0] == ("checkpoint", {"inc": "inc-1", "version": 1})
+        # Kept while step_1 is the newest checkpoint: were it found bad, recovery falls back one and
+        # re-queues them from here.
+        assert sorted(spool.ids()) == ["a", "b"]
+        core.receive([make_traj("c", versions=(1,)), make_traj("d", versions=(1,))])
+        core.tick(time.monotonic())
+        _, out = _train(core, 3.0)
+        core.on_saved(out.job, 4.0)
+        assert sorted(spool.ids()) == ["c", "d"]  # step_2 sealed: what step_1 covered goes
     finally:
         spool.close()
 
@@ -164,8 +173,9 @@ def test_a_recovering_core_requeues_the_spooled_rows_its_checkpoint_does_not_cov
         out = core.begin()
         assert sorted(core.queue.buffer) == ["b", "c"]  # "a" is in the checkpoint
         assert ("accepted", {"inc": "inc-1", "ids": ["b", "c"]}) in out.ledger and out.export == 5
-        spool.commit()  # the covered row goes with the next commit
-        assert spool.ids() == ["b", "c"]
+        spool.commit()
+        # The covered row stays until a checkpoint after the one it is in is sealed.
+        assert spool.ids() == ["a", "b", "c"]
     finally:
         spool.close()
 
