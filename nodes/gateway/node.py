@@ -134,7 +134,7 @@ def run(topo, replica: int = 0, base=None) -> int:
                 admission.follow(msg, source)  # totals, not acks: a lost hub message leaks no slot
             elif isinstance(msg, m.Event) and msg.name == "peer_restarted" and msg.fields.get("kind") == consumer_kind:
                 shell.log.warning("resent", trajectories=sender.resend(), reason=f"{msg.node_id} restarted")
-        backend.set_live({p.node_id for p in shell.peers.alive("rollout")})
+        backend.set_live({p.node_id: p.incarnation for p in shell.peers.alive("rollout")})  # a restart shows
         sender.flush()
         shell.metrics.gauge("queue.unacked", len(sender.unacked))
         shell.metrics.gauge("capacity", admission.capacity(shell.version))
