@@ -30,7 +30,8 @@ import sys
 from pathlib import Path
 
 from areal_bus.security import CurveKeyError
-from areal_bus.topology import NODE_KINDS, TopologyError, check_files, dump_resolved, load_topology
+from areal_bus.topology import NODE_KINDS, TopologyError, dump_resolved, load_topology
+from areal_bus.topology_files import check_files
 
 DEFAULT_TOPOLOGY = "topology/default.yaml"
 

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal_bus.runend import OUTCOME, write_outcome
-from areal_bus.topology import Topology, check_files, load_topology
+from areal_bus.topology import Topology, load_topology
+from areal_bus.topology_files import check_files
 
 POLL_S = 0.5
 """How often the progress line re-reads train_steps.jsonl and supervisord's state: live to a person,

@@ -5,8 +5,8 @@ A topology YAML says which nodes run (kind, replicas, host, per-node config), wh
 (``endpoints``) and the training knobs users know from AReaL (async.enabled, staleness_threshold,
 trigger_batch_size, ...). ``${NAME}`` and ``${NAME:-default}`` in any string are expanded from the
 environment. Each kind's ``config`` has its schema in areal_bus/node_configs.py. Load with
-``load_topology(path)``; ``check_files(topo, base)`` then checks what the run will read from disk (the
-model folder, the router files), which ``areal-bus validate``, ``render`` and ``node`` all do.
+``load_topology(path)``; ``topology_files.check_files(topo, base)`` then checks what the run will read
+from disk (the model folder, the router files), which ``areal-bus validate``, ``render`` and ``node`` do.
 """
 
 from __future__ import annotations
@@ -552,53 +552,6 @@ def read_yaml(path: str | os.PathLike, what: str, error: type[Exception]):
 def load_topology(path: str | os.PathLike) -> Topology:
     """Read, expand and validate a topology file. Raises TopologyError with one clear message."""
     return parse_topology(read_yaml(path, "topology", TopologyError), str(path))
-
-
-def check_files(topo: Topology, base: Path | None = None, source: str = "<topology>") -> list[str]:
-    """Check what the run will read from disk, which ``parse_topology`` leaves alone (so tests can build
-    topologies without files): model.path for the engines and the gateway, the router YAML of the
-    gateway and of a judging reward node (validated as ``load_router_config`` does), a reward_model
-    checkpoint. Relative paths are relative to ``base`` (the supervisord.conf's folder; default cwd).
-
-    Raises TopologyError naming ``source``, the field and the fix. Returns the environment variables the
-    router files read their keys from: secrets, which only the processes that use them need, so they
-    are not required here (the node that reads one fails at start with the variable's name)."""
-    # Here, not at the top: the router reads its YAML with this module's read_yaml.
-    from areal_bus.router import RouterConfigError, RouterError, load_router_config
-
-    problems: list[str] = []
-    if topo.needs_model():
-        problems += _check_model("model.path", topo.model.path, topo.model_path(base))
-    routers = []
-    if topo.replicas("gateway") and topo.gateway_config().router_config:
-        routers.append(("nodes.gateway.config.router_config", topo.gateway_config().router_config, None))
-    reward = topo.reward_config()
-    if topo.replicas("reward") and topo.reward_source() == "judge":
-        routers.append(("nodes.reward.config.router_config", reward.router_config, reward.judge_model))
-    if topo.replicas("reward") and topo.reward_source() == "reward_model":
-        problems += _check_model("nodes.reward.config.model_path", reward.model_path, topo.resolve(reward.model_path, base))
-    key_vars = []
-    for field, path, route in routers:
-        try:
-            cfg = load_router_config(topo.resolve(path, base), resolve_key=False)
-            if route is not None:
-                cfg.route(route)
-            key_vars.append(cfg.api_gateway.key_env)
-        except (RouterConfigError, RouterError) as err:
-            problems.append(f"{field}: {err}")  # the router error names the file and its field
-    if problems:
-        raise TopologyError("\n".join([f"{source}: files the run needs ({len(problems)} problem"
-                                       f"{'s' if len(problems) > 1 else ''})", *(f"  {p}" for p in problems)]))
-    return sorted(set(key_vars))
-
-
-def _check_model(field: str, written: str, path: Path) -> list[str]:
-    if (path / "config.json").is_file():
-        return []
-    what = "no such folder" if not path.exists() else "no config.json in it"
-    return [f"{field}: no model at {path} ({what}): build the project's tiny model with "
-            f"`python scripts/warmstart.py --out {written}`, or point {field} at a Hugging Face checkpoint "
-            f"folder (relative paths are relative to the supervisord.conf's folder)"]
 
 
 def dump_resolved(topo: Topology) -> dict:
