@@ -195,6 +195,9 @@ def end(verdict: Verdict, outcome: Path | None) -> str:
 def listen(program: str = "trainer") -> int:
     watch = RunWatch(program)
     outcome = outcome_path()
+    from areal_bus.watchdog import Watchdog
+
+    Watchdog(_rpc).start()  # stalled nodes (heartbeat gone, process there): areal_bus/watchdog.py
     while True:
         headers, payload = childutils.listener.wait(sys.stdin, sys.stdout)
         childutils.listener.ok(sys.stdout)
