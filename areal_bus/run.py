@@ -163,10 +163,11 @@ def orphans(log_dir: Path) -> list[tuple[int, str]]:
 
 
 def move_run_data(log_dir: Path, dest: Path) -> list[Path]:
-    """Move spool/ and checkpoints/ into ``dest`` (the folder the run's logs went to); what moved."""
+    """Move the folders spool/ and checkpoints/ into ``dest`` (the folder the run's logs went to); what
+    moved. Anything else of those names is no run's data and stays where it is."""
     moved = []
     for name in RUN_DATA:
-        if (log_dir / name).exists():
+        if (log_dir / name).is_dir():
             dest.mkdir(parents=True, exist_ok=True)
             os.replace(log_dir / name, dest / name)
             moved.append(dest / name)
