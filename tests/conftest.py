@@ -126,3 +126,20 @@ def model_dir(tmp_path):
     path = tmp_path / "model"
     save_pretrained(make_random_model(TINY_QWEN2, seed=0, std=0.2), path)
     return path
+
+
+@pytest.fixture
+def make_system():
+    """``make_system(**topology)``: a whole system (tests/test_system.System) in its own folder, cleaned
+    up after the test, however many a test makes."""
+    from tests.test_system import System
+
+    made = []
+
+    def make(**topology):
+        made.append(System(topology))
+        return made[-1]
+
+    yield make
+    for system in made:
+        system.cleanup()

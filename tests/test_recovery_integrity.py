@@ -240,22 +240,10 @@ def _areal_bus_run(system: System, *flags: str, timeout: float = 240) -> subproc
                           cwd=system.dir, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture
-def systems():
-    made = []
-
-    def make(**topology) -> System:
-        made.append(System(topology))
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.cleanup()
-
 
 @pytest.mark.timeout(120)
-def test_areal_bus_run_refuses_over_an_unfinished_run_naming_both_ways_on(systems, make_traj):
-    s = systems()
+def test_areal_bus_run_refuses_over_an_unfinished_run_naming_both_ways_on(make_system, make_traj):
+    s = make_system()
     _leave_an_unfinished_run(s.logs, make_traj)
     res = _areal_bus_run(s, timeout=60)
     assert res.returncode == 2, res.stderr
@@ -267,8 +255,8 @@ def test_areal_bus_run_refuses_over_an_unfinished_run_naming_both_ways_on(system
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_new_run_moves_the_unfinished_run_aside_and_runs_a_new_one(systems, make_traj):
-    s = systems()
+def test_new_run_moves_the_unfinished_run_aside_and_runs_a_new_one(make_system, make_traj):
+    s = make_system()
     _leave_an_unfinished_run(s.logs, make_traj)
     res = _areal_bus_run(s, "--new-run")
     assert res.returncode == 0, res.stderr
@@ -280,9 +268,9 @@ def test_new_run_moves_the_unfinished_run_aside_and_runs_a_new_one(systems, make
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_bare_supervisord_over_an_unfinished_run_ends_it_naming_both_ways_on_and_destroys_nothing(systems,
+def test_a_bare_supervisord_over_an_unfinished_run_ends_it_naming_both_ways_on_and_destroys_nothing(make_system,
                                                                                                      make_traj):
-    s = systems()
+    s = make_system()
     _leave_an_unfinished_run(s.logs, make_traj)
     s.start()  # supervisord -c supervisord.conf, as by hand
     try:
@@ -311,11 +299,11 @@ def _audit_across(logs: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(500)
-def test_a_run_whose_supervisord_died_is_refused_while_its_orphans_live_then_resumed_losing_nothing(systems):
+def test_a_run_whose_supervisord_died_is_refused_while_its_orphans_live_then_resumed_losing_nothing(make_system):
     from areal_bus.run import orphans
     from tests.test_crash import CHECKPOINTED
 
-    s = systems(**CHECKPOINTED)
+    s = make_system(**CHECKPOINTED)
     s.render()
     first = subprocess.Popen([str(VENV_BIN / "areal-bus"), "run", "supervisord.conf"], cwd=s.dir, env=ENV,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -213,18 +213,6 @@ def _run(system: System, timeout: float = RUN_S) -> tuple[subprocess.CompletedPr
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - t0
 
 
-@pytest.fixture
-def system():
-    made = []
-
-    def make(**topology) -> System:
-        made.append(System(topology))
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.cleanup()
-
 
 def _outcome(system: System) -> dict:
     return json.loads((system.logs / "run_outcome.json").read_text())
@@ -232,8 +220,8 @@ def _outcome(system: System) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_S + 120)
-def test_a_good_short_run_exits_0_with_progress_lines_and_one_run_in_its_steps(system):
-    s = system()
+def test_a_good_short_run_exits_0_with_progress_lines_and_one_run_in_its_steps(make_system):
+    s = make_system()
     res, wall = _run(s)
     assert res.returncode == 0, res.stderr
     assert _outcome(s)["status"] == "ok"
@@ -246,10 +234,10 @@ def test_a_good_short_run_exits_0_with_progress_lines_and_one_run_in_its_steps(s
 
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_S + 120)
-def test_a_node_that_cannot_load_its_model_ends_the_run_naming_it_and_its_log(system):
+def test_a_node_that_cannot_load_its_model_ends_the_run_naming_it_and_its_log(make_system):
     # A checkpoint cut short in copying: config.json is there (validation passes), the weights are not.
     model = Path(os.environ.get("TMPDIR", "/tmp")) / f"ab-broken-{os.getpid()}"
-    s = system(model={"path": str(model), "dtype": "float32", "device": "cpu", "threads": 1},
+    s = make_system(model={"path": str(model), "dtype": "float32", "device": "cpu", "threads": 1},
                rollout_engine={"kind": "torch", "max_batch": 8, "max_len": 256},
                trainer_engine={"kind": "torch", "eval_interval": 0},
                agent={"framework": "guess", "max_turns": 5, "reward_source": "rule"})
@@ -274,10 +262,10 @@ def test_a_node_that_cannot_load_its_model_ends_the_run_naming_it_and_its_log(sy
 
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_S + 120)
-def test_a_trainer_that_fails_at_its_third_update_ends_the_run_naming_it_and_its_log(system):
+def test_a_trainer_that_fails_at_its_third_update_ends_the_run_naming_it_and_its_log(make_system):
     # The checkpoint due after the third update cannot be written (logs/checkpoints is a file): the
     # real trainer raises there, every time supervisord restarts it.
-    s = system(max_steps=50, logging={"log_dir": "logs", "log_interval": 2, "save_interval": 3})
+    s = make_system(max_steps=50, logging={"log_dir": "logs", "log_interval": 2, "save_interval": 3})
     s.logs.mkdir(parents=True)
     (s.logs / "checkpoints").write_text("not a folder")
     res, wall = _run(s)

@@ -236,18 +236,6 @@ def _latest(rows: list[dict]) -> dict[str, dict]:
     return {r["node"]: r for r in rows}
 
 
-@pytest.fixture
-def make_system():
-    made = []
-
-    def make(**topology) -> System:
-        made.append(System(topology))
-        return made[-1]
-
-    yield make
-    for system in made:
-        system.cleanup()
-
 
 # -- a whole run ----------------------------------------------------------------------------------
 
