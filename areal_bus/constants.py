@@ -102,5 +102,9 @@ the watchdog (areal_bus/watchdog.py). Peers call a node dead after 2 s (HEARTBEA
 watchdog waits longer, so a GC pause or a loaded box is not reported, and only for the process that
 is still there: the one a restart by supervisord would not cover."""
 
+WATCHDOG_FIRST_BEAT_S = 300.0
+"""How long a node may run before its first heartbeat before the watchdog reports it (never kills it):
+nodes build their engine first, and vLLM starts in 26-42 s, a large checkpoint loads in minutes."""
+
 WATCHDOG_RESTART_MAX_S = 3600.0
 """The longest durability.watchdog_restart_s may be: a node silent an hour is not coming back."""

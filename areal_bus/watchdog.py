@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from areal_bus.constants import HEARTBEAT_INTERVAL_S, WATCHDOG_SILENT_S
+from areal_bus.constants import HEARTBEAT_INTERVAL_S, WATCHDOG_FIRST_BEAT_S, WATCHDOG_SILENT_S
 
 
 @dataclass
@@ -36,6 +36,7 @@ class _Seen:
     last: float
     reported: bool = False  # this silence has been logged
     restarted: bool = False  # and acted on: wait for a new incarnation
+    heard: bool = False  # a heartbeat of this process has arrived
 
 
 class HeartbeatWatch:
@@ -66,9 +67,9 @@ class HeartbeatWatch:
     def beat(self, node_id: str, kind: str, pid: int, incarnation: str, now: float) -> None:
         seen = self.nodes.get(node_id)
         if seen is None or seen.incarnation != incarnation or seen.pid != pid:
-            self.nodes[node_id] = _Seen(kind, pid, incarnation, now)
+            self.nodes[node_id] = _Seen(kind, pid, incarnation, now, heard=True)
             return
-        seen.last, seen.reported, seen.restarted = now, False, False
+        seen.last, seen.reported, seen.restarted, seen.heard = now, False, False, True
 
     def check(self, now: float, alive) -> list[tuple[str, str, float]]:
         """``alive(pid)``: whether that process still exists (and is not a zombie)."""
@@ -77,14 +78,17 @@ class HeartbeatWatch:
         out = []
         for node, seen in self.nodes.items():
             silent = now - seen.last
-            if silent <= self.silent_s or seen.restarted or (bus_silent and seen.kind != "bus"):
+            # A node loads its engine before its first heartbeat (vLLM takes 26-42 s, a large checkpoint
+            # minutes): before it has been heard it is only reported, late, and never killed.
+            limit = self.silent_s if seen.heard else max(self.silent_s, WATCHDOG_FIRST_BEAT_S)
+            if silent <= limit or seen.restarted or (bus_silent and seen.kind != "bus"):
                 continue  # (every heartbeat comes through the bus: with it silent, only it is to blame)
             if not alive(seen.pid):
                 continue
             if not seen.reported:
                 seen.reported = True
                 out.append((node, "stalled", silent))
-            if self.restart_s > 0 and silent >= self.restart_s:
+            if self.restart_s > 0 and silent >= self.restart_s and seen.heard:
                 seen.restarted = True
                 out.append((node, "restart", silent))
         return out

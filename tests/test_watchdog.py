@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from areal_bus.constants import WATCHDOG_SILENT_S
+from areal_bus.constants import WATCHDOG_FIRST_BEAT_S, WATCHDOG_SILENT_S
 from areal_bus.watchdog import HeartbeatWatch, process_alive
 from tests.test_system import System, wait_until
 
@@ -50,18 +50,35 @@ def test_while_the_bus_is_silent_only_the_bus_is_blamed():
     assert [(n, a) for n, a, _ in watch.check(9.0, lambda pid: True)] == [("bus-0", "stalled"), ("bus-0", "restart")]
 
 
-def test_a_running_program_never_heard_from_is_judged_from_when_it_was_first_seen_running():
-    watch = HeartbeatWatch(restart_s=0.0)
+def test_a_running_program_never_heard_from_is_reported_late_and_never_killed():
+    # Nodes build their engine before their first heartbeat (vLLM: 26-42 s): such a node is reported
+    # only after WATCHDOG_FIRST_BEAT_S and never killed, however restart_s is set.
+    watch = HeartbeatWatch(restart_s=8.0)
     watch.running({"bus-0": 1, "weights-0": 2}, 0.0)  # supervisord: both RUNNING, no heartbeat yet
     watch.beat("bus-0", "bus", 1, "a", 0.0)
-    watch.beat("bus-0", "bus", 1, "a", 6.0)
-    assert watch.check(6.0, lambda pid: True) == [("weights-0", "stalled", 6.0)]
-    watch.running({"bus-0": 1, "weights-0": 3}, 7.0)  # restarted by supervisord: a new pid starts afresh
-    watch.beat("bus-0", "bus", 1, "a", 9.0)
-    assert watch.check(9.0, lambda pid: True) == []
-    watch.running({"bus-0": 1}, 20.0)  # no longer RUNNING (stopped, exited): not watched
-    watch.beat("bus-0", "bus", 1, "a", 20.0)
-    assert watch.check(20.0, lambda pid: True) == []
+    watch.beat("bus-0", "bus", 1, "a", 60.0)
+    assert watch.check(60.0, lambda pid: True) == []  # a minute of loading: nothing said
+    late = WATCHDOG_FIRST_BEAT_S + 1
+    watch.beat("bus-0", "bus", 1, "a", late)
+    assert watch.check(late, lambda pid: True) == [("weights-0", "stalled", late)]  # reported, not killed
+    watch.running({"bus-0": 1, "weights-0": 3}, late + 1)  # restarted by supervisord: a new pid starts afresh
+    watch.beat("bus-0", "bus", 1, "a", late + 3)
+    assert watch.check(late + 3, lambda pid: True) == []
+    watch.running({"bus-0": 1}, late + 20)  # no longer RUNNING (stopped, exited): not watched
+    watch.beat("bus-0", "bus", 1, "a", late + 20)
+    assert watch.check(late + 20, lambda pid: True) == []
+
+
+def test_a_node_heard_from_then_silent_is_reported_then_killed():
+    watch = HeartbeatWatch(restart_s=8.0)
+    watch.running({"bus-0": 1, "weights-0": 2}, 0.0)
+    for t in (0.0, 1.0):
+        watch.beat("bus-0", "bus", 1, "a", t)
+        watch.beat("weights-0", "weights", 2, "w", t)
+    watch.beat("bus-0", "bus", 1, "a", 7.0)
+    assert watch.check(7.0, lambda pid: True) == [("weights-0", "stalled", 6.0)]
+    watch.beat("bus-0", "bus", 1, "a", 9.5)
+    assert watch.check(9.5, lambda pid: True) == [("weights-0", "restart", 8.5)]
 
 
 def test_a_stopped_process_counts_as_alive_and_a_missing_one_does_not():
