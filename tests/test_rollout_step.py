@@ -30,7 +30,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_system import make_system  # noqa: F401 (the fixture: a System in a temp dir, cleaned up)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
