@@ -66,6 +66,84 @@ def admit_session(admission: Admission, version: int, metrics) -> tuple[int | No
     return None, ADMISSION_RETRY_S
 
 
+def _router(shell, topo, cfg, base):
+    """The model router for other models than the policy (None without router_config); False when the
+    router would send requests back to this gateway (refused with the fix)."""
+    if not cfg.router_config:
+        return None
+    from areal_bus.router import ModelRouter, load_router_config
+
+    router_cfg = load_router_config(topo.resolve(cfg.router_config, base))
+    if _is_self(router_cfg.api_gateway.base_url, cfg):
+        shell.log.error("router_is_this_gateway", router_config=cfg.router_config,
+                        fix="requests for other models would come back here for ever: point the router's "
+                        "api_gateway.base_url at a provider (configs/router.yaml as shipped is for clients "
+                        "of this gateway, not for its router_config)")
+        return False
+    return ModelRouter(router_cfg, log=shell.log)
+
+
+class GatewayWiring:
+    """The gateway application's ends on the bus: trajectories out (to reward or the trainer, kept until
+    acknowledged), acknowledgements and run state in, admission, the ledger of what it produced."""
+
+    def __init__(self, shell: NodeShell, topo, replica: int, base):
+        self.shell = shell
+        n_reward = topo.replicas("reward")
+        targets = [shell.endpoint("samples", i) for i in range(n_reward)] if n_reward else [shell.endpoint("train")]
+        self.consumer_kind = "reward" if n_reward else "trainer"
+        self.sender = ReliableSender(open_socket(shell.ctx, zmq.PUSH, targets, bind=False, hwm=topo.queue_max_size),
+                                     shell.encoder, shell.metrics, "out", capacity=topo.queue_max_size)
+        self.admission = _admission(topo, replica)
+        self.source = f"{shell.node_id}:{shell.incarnation}"  # names our sessions in the trainer's totals
+        self.ledger = Ledger(ledger_path(shell.log_dir, shell.node_id))  # what we produced, for the audit
+        self.vocab_size = model_vocab_size(topo.model_path(base))
+        self.backend = BusBackend(shell.ctx, shell.endpoint("gwork", replica), shell.encoder, shell.metrics)
+        self.app = None
+
+    def admit(self) -> tuple[int | None, float]:
+        return admit_session(self.admission, self.shell.version, self.shell.metrics)
+
+    def emit(self, traj: m.Trajectory) -> None:
+        shell = self.shell
+        if traj.traj_id != traj.episode_id:  # a session's extra branch (n > 1, rewritten history): one more sample
+            self.admission.admit(1)
+        # The trainer's own check (ids against the policy's vocabulary; versions it checks itself, as
+        # ours may lag): one it would refuse never leaves, and its slot comes back at once.
+        if (reason := check_trajectory(traj, self.vocab_size, None)) is not None:
+            self.admission.abandon(1)
+            shell.metrics.inc(f"rejected.{reason_code(reason)}")
+            shell.log.error("trajectory_rejected", session=traj.episode_id, traj=traj.traj_id, reason=reason)
+            self.app[GATEWAY].settled([traj.traj_id])
+            return
+        traj.source = self.source
+        self.ledger.write("produced", ids=[traj.traj_id])
+        self.sender.offer(traj.traj_id, traj)
+        shell.metrics.inc("samples")
+        shell.metrics.inc("tokens", int(traj.loss_mask.sum()))
+
+    def hub_tick(self) -> None:
+        shell, sender = self.shell, self.sender
+        for _, msg in shell.drain_hub():
+            if isinstance(msg, m.TrajAck):
+                sender.settle(msg)
+                self.app[GATEWAY].settled([*msg.consumed, *msg.stale, *msg.duplicate, *msg.accepted, *msg.rejected])
+            elif isinstance(msg, m.RunState):
+                shell.policy = max(shell.policy, PolicyVersion(msg.lineage, msg.version))
+                self.admission.follow(msg, self.source)  # totals, not acks: a lost hub message leaks no slot
+            elif (isinstance(msg, m.Event) and msg.name == "peer_restarted"
+                  and msg.fields.get("kind") == self.consumer_kind):
+                shell.log.warning("resent", trajectories=sender.resend(), reason=f"{msg.node_id} restarted")
+        self.backend.set_live({p.node_id: p.incarnation for p in shell.peers.alive("rollout")})  # a restart shows
+        sender.flush()
+        shell.metrics.gauge("queue.unacked", len(sender.unacked))
+        shell.metrics.gauge("capacity", self.admission.capacity(shell.version))
+
+    def close(self) -> None:
+        self.backend.close()
+        self.ledger.close()
+
+
 def run(topo, replica: int = 0, base=None) -> int:
     shell = NodeShell(topo, "gateway", replica, base=base, watch=("rollout", "reward", "trainer"),
                       topics=(m.TOPIC_VERSION, m.TOPIC_TRAJ_ACK, m.TOPIC_RUN))
@@ -74,110 +152,49 @@ def run(topo, replica: int = 0, base=None) -> int:
     if cfg.admin_token is None:
         shell.log.error("no_admin_token", fix="export AREAL_BUS_ADMIN_TOKEN (8+ characters) in the shell that "
                         "starts supervisord (scripts/run_default.sh makes one per run)")
+    router = _router(shell, topo, cfg, base) if cfg.admin_token is not None else False
+    if router is False:
         shell.close()
         return 2
     from areal_bus.tasks.runner import load_tokenizer
 
     tokenizer = load_tokenizer(topo.model_path(base))
-    router = None
-    if cfg.router_config:
-        from areal_bus.router import ModelRouter, load_router_config
-
-        router_cfg = load_router_config(topo.resolve(cfg.router_config, base))
-        if _is_self(router_cfg.api_gateway.base_url, cfg):
-            shell.log.error("router_is_this_gateway", router_config=cfg.router_config,
-                            fix="requests for other models would come back here for ever: point the router's "
-                            "api_gateway.base_url at a provider (configs/router.yaml as shipped is for clients "
-                            "of this gateway, not for its router_config)")
-            shell.close()
-            return 2
-        router = ModelRouter(router_cfg, log=shell.log)
-    n_reward = topo.replicas("reward")
-    targets = [shell.endpoint("samples", i) for i in range(n_reward)] if n_reward else [shell.endpoint("train")]
-    consumer_kind = "reward" if n_reward else "trainer"
-    sender = ReliableSender(open_socket(shell.ctx, zmq.PUSH, targets, bind=False, hwm=topo.queue_max_size),
-                            shell.encoder, shell.metrics, "out", capacity=topo.queue_max_size)
-    admission = _admission(topo, replica)
-    source = f"{shell.node_id}:{shell.incarnation}"  # names our sessions in the trainer's totals
-    ledger = Ledger(ledger_path(shell.log_dir, shell.node_id))  # what we produced, for the audit
-
-    def admit() -> tuple[int | None, float]:
-        return admit_session(admission, shell.version, shell.metrics)
-
-    vocab_size = model_vocab_size(topo.model_path(base))
-
-    def emit(traj: m.Trajectory) -> None:
-        if traj.traj_id != traj.episode_id:  # a session's extra branch (n > 1, rewritten history): one more sample
-            admission.admit(1)
-        # The trainer's own check (ids against the policy's vocabulary; versions it checks itself, as
-        # ours may lag): one it would refuse never leaves, and its slot comes back at once.
-        if (reason := check_trajectory(traj, vocab_size, None)) is not None:
-            admission.abandon(1)
-            shell.metrics.inc(f"rejected.{reason_code(reason)}")
-            shell.log.error("trajectory_rejected", session=traj.episode_id, traj=traj.traj_id, reason=reason)
-            app[GATEWAY].settled([traj.traj_id])
-            return
-        traj.source = source
-        ledger.write("produced", ids=[traj.traj_id])
-        sender.offer(traj.traj_id, traj)
-        shell.metrics.inc("samples")
-        shell.metrics.inc("tokens", int(traj.loss_mask.sum()))
-
-    def hub_tick() -> None:
-        for _, msg in shell.drain_hub():
-            if isinstance(msg, m.TrajAck):
-                sender.settle(msg)
-                app[GATEWAY].settled([*msg.consumed, *msg.stale, *msg.duplicate, *msg.accepted,
-                                      *getattr(msg, "rejected", ())])
-            elif isinstance(msg, m.RunState):
-                shell.policy = max(shell.policy, PolicyVersion(msg.lineage, msg.version))
-                admission.follow(msg, source)  # totals, not acks: a lost hub message leaks no slot
-            elif isinstance(msg, m.Event) and msg.name == "peer_restarted" and msg.fields.get("kind") == consumer_kind:
-                shell.log.warning("resent", trajectories=sender.resend(), reason=f"{msg.node_id} restarted")
-        backend.set_live({p.node_id: p.incarnation for p in shell.peers.alive("rollout")})  # a restart shows
-        sender.flush()
-        shell.metrics.gauge("queue.unacked", len(sender.unacked))
-        shell.metrics.gauge("capacity", admission.capacity(shell.version))
-
-    app = None
+    bus = GatewayWiring(shell, topo, replica, base)
+    wal = GatewayWAL(wal_path(shell.log_dir, shell.node_id), fsync=cfg.wal_fsync) if cfg.wal else None
 
     async def main() -> None:
-        nonlocal app
-        app = make_app(cfg, backend, tokenizer, router=router, emit=emit, admission=admit, log=shell.log,
-                       metrics=shell.metrics, wal=wal)
-        gw = app[GATEWAY]
+        bus.app = make_app(cfg, bus.backend, tokenizer, router=router, emit=bus.emit, admission=bus.admit,
+                           log=shell.log, metrics=shell.metrics, wal=wal)
+        gw = bus.app[GATEWAY]
         # Sessions resumed and trajectories resent from the WAL were admitted by the incarnation that
         # died: this one's counts start at zero, and the trainer will count them under our source.
-        admission.admit(gw.resumed + sum(t.traj_id == t.episode_id for t in gw.resend))
-        runner = await start_server(app, cfg)
-        backend.start()
+        bus.admission.admit(gw.resumed + sum(t.traj_id == t.episode_id for t in gw.resend))
+        runner = await start_server(bus.app, cfg)
+        bus.backend.start()
         shell.announce_start(host=cfg.host, port=cfg.port, policy_model=cfg.policy_model,
                              router=cfg.router_config or "-")
         shell.start_heartbeat()
         last_resend = time.monotonic()
         try:
             while not shell.stopping.is_set():
-                hub_tick()
+                bus.hub_tick()
                 if time.monotonic() - last_resend > 1.0:
-                    sender.resend_overdue()
+                    bus.sender.resend_overdue()
                     last_resend = time.monotonic()
                 await asyncio.sleep(HUB_TICK_S)
         finally:
             await runner.cleanup()  # ends every open session and emits its trajectories
-            sender.flush()  # hand them to ZeroMQ before the context goes (LINGER_MS gives them time)
+            bus.sender.flush()  # hand them to ZeroMQ before the context goes (LINGER_MS gives them time)
             if router is not None:
                 await router.close()
 
-    backend = BusBackend(shell.ctx, shell.endpoint("gwork", replica), shell.encoder, shell.metrics)
-    wal = GatewayWAL(wal_path(shell.log_dir, shell.node_id), fsync=cfg.wal_fsync) if cfg.wal else None
     try:
         import uvloop
 
         uvloop.run(main())
     finally:
-        backend.close()
+        bus.close()
         if wal is not None:
             wal.close()
-        ledger.close()
         shell.close()
     return 0
