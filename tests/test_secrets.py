@@ -18,6 +18,8 @@ import re
 import socket
 import subprocess
 import sys
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -49,11 +51,20 @@ def _gateway_topology(port: int = 9000, token: str = TOKEN) -> dict:
                       "agent": {"replicas": 1}, "reward": {"replicas": 1}, "trainer": {}, "weights": {}}}
 
 
-def _post(url: str, token: str, body: dict | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
-                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return r.status, json.loads(r.read())
+def _post(url: str, token: str, body: dict | None = None, patience_s: float = 60.0) -> tuple[int, dict]:
+    """POST as an orchestrator does: a 429 (the agent's episodes hold the admission budget until the
+    trainer consumes them) is waited out for its Retry-After, as the openai and anthropic SDKs do."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as err:
+            if err.code != 429 or time.monotonic() > deadline:
+                raise
+            time.sleep(float(err.headers.get("Retry-After") or 1.0))
 
 
 def _healthy(port: int) -> bool:
