@@ -19,9 +19,17 @@ last completion, prefill included. Then the logprob check: 8 prompts sampled at 
 ``--new`` tokens; the logprobs the engine recorded vs ``modeling.token_logprobs`` of prompt + output
 (the trainer's recompute, bf16) and vs transformers' full forward; the gather path's gap beside it.
 
-Needs torch, numpy and transformers (not pyzmq, pydantic or structlog).
+With ``--vllm``: the vLLM engine on the same weights (written as a checkpoint folder) and the same
+prompts, in a process of its own (bench/vllm_engine.py): a "vllm T=1" row beside "engine T=1" (same
+sampling: temperature 1, top_p 1, the sampled token's logprob recorded by both), its logprob gap, and
+with ``--swap`` / ``--prefix`` the CUDA IPC weight swap and the 5-turn prefix-caching rows.
+``--shape 1.5b`` takes Qwen2-1.5B's body (28 layers, hidden 1536, 12 heads over 2 kv heads).
+
+Needs torch, numpy and transformers (not pyzmq, pydantic or structlog); ``--vllm`` needs vLLM.
 
 Run:  python3 bench/engine.py                          (CUDA host: about 2 minutes)
+      python3 bench/engine.py --no-hf --vllm --swap --prefix     (+ vLLM; scripts/gpu_vllm.sh installs it)
+      python3 bench/engine.py --no-hf --vllm --new 2048 --batches 256      (the long-output shape)
       python3 bench/engine.py --variants               (+ eager and gather rows at each batch)
       .venv/bin/python bench/engine.py --tiny --device cpu     (anywhere: a tiny model, end to end)
 
@@ -33,7 +41,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,6 +58,29 @@ from areal_bus.messages import GenerateRequest  # noqa: E402
 from areal_bus.modeling import QWEN2_0_5B, TINY_QWEN2, make_random_model, token_logprobs  # noqa: E402
 
 LOGPROB_BATCH = 8
+SHAPES = {"0.5b": QWEN2_0_5B,
+          "1.5b": {**QWEN2_0_5B, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+                   "num_attention_heads": 12, "num_key_value_heads": 2}}
+
+
+def run_vllm(model, args, prompts: dict[int, torch.Tensor], lp_prompts: torch.Tensor) -> dict:
+    """bench/vllm_engine.py on these weights and prompts, in its own process; its VLLM_JSON result."""
+    from areal_bus.modeling import save_pretrained
+
+    work = Path(tempfile.mkdtemp(prefix="ab-vllm-bench-"))
+    save_pretrained(model, work / "model")
+    np.savez(work / "prompts.npz", logprob=lp_prompts.cpu().numpy().astype(np.int32),
+             **{f"b{b}": p.cpu().numpy().astype(np.int32) for b, p in prompts.items()})
+    cmd = [sys.executable, str(Path(__file__).with_name("vllm_engine.py")), "--model", str(work / "model"),
+           "--prompts", str(work / "prompts.npz"), "--new", str(args.new)]
+    cmd += ["--swap"] * args.swap + ["--prefix"] * args.prefix
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.vllm_timeout)
+    lines = proc.stdout.splitlines()
+    print("\n".join("    | " + ln for ln in lines if not ln.startswith("VLLM_JSON ")), flush=True)
+    found = [ln for ln in lines if ln.startswith("VLLM_JSON ")]
+    if proc.returncode or not found:
+        raise RuntimeError(f"bench/vllm_engine.py failed (exit {proc.returncode}); its output is above")
+    return json.loads(found[-1].removeprefix("VLLM_JSON "))
 
 
 def sync(device: torch.device) -> None:
@@ -174,6 +208,11 @@ def main() -> int:
     ap.add_argument("--variants", action="store_true", help="add the other attention, eager and gather rows")
     ap.add_argument("--no-graphs", action="store_true", help="the engine row without CUDA graphs")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (ratios are then not printed)")
+    ap.add_argument("--shape", default="0.5b", choices=sorted(SHAPES), help="the model body (random weights)")
+    ap.add_argument("--vllm", action="store_true", help="add the vLLM engine's rows (bench/vllm_engine.py)")
+    ap.add_argument("--swap", action="store_true", help="--vllm: time a CUDA IPC weight swap mid-generation")
+    ap.add_argument("--prefix", action="store_true", help="--vllm: prefill per turn of a 5-turn agent, cache on/off")
+    ap.add_argument("--vllm-timeout", type=float, default=400)
     args = ap.parse_args()
     args.batches = args.batches or ([4, 8] if args.tiny else [64, 256])
     args.prompt = args.prompt or (16 if args.tiny else 128)
@@ -182,12 +221,12 @@ def main() -> int:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if device.type == "cpu":
         torch.set_num_threads(min(4, torch.get_num_threads()))
-    cfg = TINY_QWEN2 if args.tiny else QWEN2_0_5B
+    cfg = TINY_QWEN2 if args.tiny else SHAPES[args.shape]
     t0 = time.perf_counter()
     model = make_random_model(cfg, seed=0, device=device, dtype=dtype, std=0.2 if args.tiny else 0.02)
     hf = None if args.no_hf else hf_model(model, device, dtype)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"model {'tiny qwen2' if args.tiny else 'Qwen2-0.5B shape'} {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+    print(f"model {'tiny qwen2' if args.tiny else f'Qwen2-{args.shape.upper()} shape'} {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
           f"params {str(dtype).removeprefix('torch.')} on {gpu}; torch {torch.__version__}; prompts {args.prompt} "
           f"tokens, {args.new} new tokens each; built in {time.perf_counter() - t0:.1f} s", flush=True)
     main_mode = "eager" if args.no_graphs or device.type != "cuda" else "graphs"
@@ -195,9 +234,11 @@ def main() -> int:
         print(f"SDPA memory-efficient kernel takes the decode step's shapes: {efficient_sdpa_ok(model, device)}")
     gen = torch.Generator().manual_seed(1)
     result = {}
+    batch_prompts = {}
     print(f"{'batch':>5}  {'what':<16} {'tokens/s':>10} {'x hf':>6} {'warm s':>7} {'cold s':>7}", flush=True)
     for batch in args.batches:
         prompts = torch.randint(0, model.cfg.vocab_size, (batch, args.prompt), generator=gen).to(device)
+        batch_prompts[batch] = prompts
         tokens = batch * args.new
         hf_tps = None
         if hf is not None:
@@ -221,6 +262,30 @@ def main() -> int:
             if what == "engine" and hf_tps:
                 result[f"ratio_{batch}"] = round(ratio, 2)
     lp_prompts = torch.randint(0, model.cfg.vocab_size, (LOGPROB_BATCH, args.prompt), generator=gen).to(device)
+    if args.vllm:
+        free(device)
+        v = run_vllm(model, args, batch_prompts, lp_prompts)
+        for batch, row in v["rows"].items():
+            torch_tps = result.get(f"engine_t1_tok_s_{batch}")
+            print(f"{int(batch):>5}  {'vllm T=1':<16} {row['tok_s']:>10.0f} {'':>6} {row['warm_s']:>7.2f} "
+                  f"{row['cold_s']:>7.2f}   ({row['tok_s'] / torch_tps:.2f}x engine T=1)", flush=True)
+            result[f"vllm_t1_tok_s_{batch}"] = round(row["tok_s"])
+        result |= {"vllm": v["vllm"], "vllm_start_s": round(v["start_s"]),
+                   "vllm_logprob_max_abs_diff": f"{v['logprob']['max']:.3g}",
+                   "vllm_logprob_mean_abs_diff": f"{v['logprob']['mean']:.3g}"}
+        for version, sw in v.get("swap", {}).items():
+            print(f"vllm swap to v{version} over CUDA IPC mid-generation: load_weights {sw['swap_ms']:.1f} ms, "
+                  f"publish to serving {sw['publish_to_serving_ms']:.1f} ms, tags {'ok' if sw['tags_ok'] else 'WRONG'}")
+            result[f"vllm_swap_ms_v{version}"] = round(sw["swap_ms"], 1)
+            result[f"vllm_publish_to_serving_ms_v{version}"] = round(sw["publish_to_serving_ms"], 1)
+            result["vllm_swap_tags_ok"] = result.get("vllm_swap_tags_ok", True) and sw["tags_ok"]
+        if "prefix" in v:
+            print("5-turn agent, per conversation: prompt tokens / prefilled tokens / turn seconds")
+            for mode, turns in v["prefix"].items():
+                print(f"  {mode:<8} " + "  ".join(f"t{i + 1}: {t['prompt_tokens']}/{t['prefilled']}/{t['turn_s']:.2f}s"
+                                                  for i, t in enumerate(turns)))
+            for mode in ("cache", "no_cache"):
+                result[f"prefill_per_turn_{mode}"] = "/".join(str(t["prefilled"]) for t in v["prefix"][mode])
     if hf is None:
         print("logprob check needs transformers (drop --no-hf)")
     else:

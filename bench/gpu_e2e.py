@@ -9,7 +9,12 @@ model's character-level tokenizer (so the vocabulary, and the embedding, are the
 Qwen's 151,936): throughput is the point here, not what it learns. Samples/s counts the samples the
 trainer consumed after the first ``--skip`` updates (CUDA start-up and warm-up excluded).
 
+``--engine vllm`` puts the rollout worker on vLLM (``rollout_engine.kind: vllm``, prefix caching on,
+weights loaded from the trainer's CUDA IPC buffers into vLLM's own between steps) instead of the torch
+engine; everything else is the same.
+
 Run:  python3 bench/gpu_e2e.py                    (on the GPU machine: ~2-4 min)
+      bash scripts/gpu_vllm.sh python3 bench/gpu_e2e.py --engine vllm      (vLLM installed by that script)
       python3 bench/gpu_e2e.py --device cuda:0 --trainer-device cuda:1   (two GPUs: rollout and trainer apart)
       .venv/bin/python bench/gpu_e2e.py --tiny --device cpu --steps 4 --skip 1   (a CPU smoke run)
 
@@ -63,7 +68,8 @@ def topology(model: Path, mode: str, args) -> dict:
         mini_batch_size=args.batch // 2, logging={"log_dir": "logs", "log_interval": 5, "save_interval": 0},
         model={"path": str(model), "dtype": args.dtype, "device": args.device, "trainer_device": args.trainer_device,
                "threads": 1 if args.device == "cpu" else 4},
-        rollout_engine={"kind": "torch", "max_batch": args.rollout_batch, "max_len": 256, "temperature": 1.0},
+        rollout_engine={"kind": args.engine, "max_batch": args.rollout_batch, "max_len": 256, "temperature": 1.0,
+                        **({"gpu_memory_utilization": args.gpu_memory_utilization} if args.engine == "vllm" else {})},
         trainer_engine={"kind": "torch", "eps_clip": 0.2, "behav_imp_weight_cap": 5.0, "eval_interval": 0},
         nodes={"bus": {}, "agent": {"replicas": args.agents}, "reward": {"replicas": 1}, "trainer": {}, "weights": {}},
     )
@@ -97,6 +103,9 @@ def main() -> int:
     ap.add_argument("--rollout-batch", type=int, default=256, help="the rollout engine's max_batch")
     ap.add_argument("--agents", type=int, default=2)
     ap.add_argument("--keep-logs", type=Path, default=None)
+    ap.add_argument("--engine", default="torch", choices=["torch", "vllm"], help="the rollout engine")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vllm: its share of the GPU")
+    ap.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
     args = ap.parse_args()
     if args.device == "cpu" and args.dtype == "bfloat16":
         args.dtype = "float32"
@@ -111,9 +120,9 @@ def main() -> int:
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {hw}; policy {n / 1e6:.0f}M params ({args.dtype}), "
           f"global batch {args.batch}, trigger {args.trigger or args.batch // 2}, staleness {args.staleness}, "
           f"{args.agents} agents, {args.steps} updates per mode, first {args.skip} "
-          f"left out", flush=True)
+          f"left out; rollout engine {args.engine}", flush=True)
     out = {}
-    for mode in ("async", "sync"):
+    for mode in args.modes:
         t0 = time.monotonic()
         records, wall = run_system(topology(work / "model", mode, args), mode, args.keep_logs, timeout=900)
         sps, samples, span = samples_per_second(records, args.skip)
@@ -121,8 +130,8 @@ def main() -> int:
         out[mode] = sps
         print(f"{mode:6s} {sps:9.1f} samples/s  ({samples} samples in {span:.1f} s; trainer busy "
               f"{100 * train_s / span:.0f}%; wall {wall:.0f} s incl. start, {time.monotonic() - t0:.0f} s)", flush=True)
-    ratio = out["async"] / out["sync"]
-    print(f"RESULT async_sps={out['async']:.2f} sync_sps={out['sync']:.2f} ratio={ratio:.2f}")
+    ratio = out["async"] / out["sync"] if len(out) == 2 else float("nan")
+    print(f"RESULT engine={args.engine} " + " ".join(f"{m}_sps={v:.2f}" for m, v in out.items()) + f" ratio={ratio:.2f}")
     return 0
 
 

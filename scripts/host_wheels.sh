@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
-# The wheels the lent GPU host lacks, for scripts/gpu_e2e.sh and scripts/host_gateway.sh: run here (the
-# registry is reachable from this machine, not from that one), after scripts/setup.sh. Each package at the
-# version this venv has, built for the host's Python (3.12, x86_64 manylinux). .whl is git-ignored and
-# travels to the host with the device tool's carry: [".whl"].
+# The wheels the lent GPU host lacks: run here (the registry is reachable from this machine, not from that
+# one), after scripts/setup.sh. Built for the host's Python (3.12, x86_64 manylinux). .whl/ is git-ignored
+# and travels to the host with the device tool's carry.
 #
-# Run from the repository root:  bash scripts/host_wheels.sh [python version, default 3.12]
+#   bash scripts/host_wheels.sh            .whl/ (the bus and nodes: scripts/gpu_e2e.sh) and .whl/gw/
+#                                          (the gateway's HTTP stack: scripts/host_gateway.sh), each package
+#                                          at the version this venv has
+#   bash scripts/host_wheels.sh --vllm     .whl/vllm/: vLLM 0.25.1 and the ~21 MB of packages the host
+#                                          lacks for it, with the bus's wheels, as one tar cut in parts of
+#                                          at most 58 MiB (part-00, part-01, ...) and SHA256SUMS. The host
+#                                          receives at most 64 MiB per command: carry one part (and
+#                                          SHA256SUMS) per command; scripts/gpu_vllm.sh joins them there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${1:-3.12}
+PY=3.12
+PLATFORMS=(--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_27_x86_64
+           --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64
+           --platform manylinux_2_35_x86_64)
 pinned() {  # name==version as installed in .venv
     .venv/bin/python - "$@" <<'PYEOF'
 import sys
@@ -15,16 +24,46 @@ from importlib.metadata import version
 print(" ".join(f"{name}=={version(name)}" for name in sys.argv[1:]))
 PYEOF
 }
-fetch() {  # fetch DIR PACKAGE...
+download() {  # download DIR REQUIREMENT...
     local dir=$1; shift
     mkdir -p "$dir"
-    # shellcheck disable=SC2046
-    .venv/bin/pip download -q --only-binary=:all: --no-deps --python-version "$PY" --dest "$dir" \
-        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-        $(pinned "$@")
+    .venv/bin/pip download -q --disable-pip-version-check --only-binary=:all: --no-deps --python-version "$PY" \
+        --implementation cp "${PLATFORMS[@]}" --dest "$dir" "$@"
 }
-# the bus and the nodes (gpu_e2e.sh)
-fetch .whl pyzmq pydantic pydantic_core annotated-types typing-inspection typing_extensions structlog supervisor orjson
-# the gateway's HTTP stack and the rest bench/gateway.py imports (host_gateway.sh)
-fetch .whl/gw aiohttp uvloop multidict yarl propcache frozenlist aiosignal aiohappyeyeballs attrs msgpack pyyaml ml_dtypes
-ls .whl .whl/gw
+BUS=(pyzmq pydantic pydantic_core annotated-types typing-inspection typing_extensions structlog supervisor orjson)
+
+if [ "${1:-}" != "--vllm" ]; then
+    # shellcheck disable=SC2046
+    download .whl $(pinned "${BUS[@]}")
+    # shellcheck disable=SC2046
+    download .whl/gw $(pinned aiohttp uvloop multidict yarl propcache frozenlist aiosignal aiohappyeyeballs attrs msgpack pyyaml ml_dtypes)
+    ls .whl .whl/gw
+    exit 0
+fi
+
+# vLLM 0.25.1 pins torch 2.11.0 and is a CUDA 13 build: the host's own torch 2.11.0+cu130, which does
+# not travel. What the host lacks for it (found by importing vLLM and running its engine there,
+# 2026-12-01): openai 2.x (3.x imports httpx2, absent there), apache-tvm-ffi >= 0.1.11 (vLLM pins 0.1.9,
+# which xgrammar 0.2.9 refuses; pip's --no-deps install is what lets both stand), the rest at vLLM's pins.
+VLLM=(vllm==0.25.1 "openai>=2,<3" distro jiter sniffio openai-harmony "fastapi>=0.133,<0.137" "starlette>=1.0.1"
+      msgspec cbor2 pybase64 cachetools blake3 partial-json-parser "llguidance>=1.7,<1.8" xgrammar==0.2.9
+      "apache-tvm-ffi>=0.1.11" outlines-core==0.2.14 lm-format-enforcer==0.11.3 lark==1.2.2 diskcache==5.6.3
+      compressed-tensors==0.17.0 depyf==0.20.0 astor dill gguf opentelemetry-api setproctitle ijson
+      python-json-logger watchfiles)
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+# shellcheck disable=SC2046
+download "$stage/wheels" $(pinned "${BUS[@]}")
+download "$stage/wheels" "${VLLM[@]}"
+# One version of each package, or pip's install stops.
+dups=$(ls "$stage/wheels" | sed 's/-[0-9].*//' | tr '[:upper:]_' '[:lower:]-' | sort | uniq -d)
+[ -z "$dups" ] || { echo "two versions of: $dups" >&2; exit 1; }
+rm -rf .whl/vllm
+mkdir -p .whl/vllm
+tar -C "$stage" -cf "$stage/vllm-wheels.tar" wheels
+(cd "$stage" && sha256sum vllm-wheels.tar) > .whl/vllm/SHA256SUMS
+split -b 58M -d -a 2 "$stage/vllm-wheels.tar" .whl/vllm/part-
+(cd .whl/vllm && sha256sum part-*) >> .whl/vllm/SHA256SUMS
+ls "$stage/wheels"
+ls -l .whl/vllm
+echo "carry one part per command, with SHA256SUMS: scripts/gpu_vllm.sh (the README's 'On a GPU' says how)"

@@ -1,7 +1,9 @@
 """The vLLM rollout engine: every part that does not need vLLM is tested here with plain data (vLLM's
 outputs are reproduced as dataclasses of the same shape: what is tested is our conversion code); the
-tests that drive vLLM itself skip, with the reason, where vLLM or a GPU is absent (both, on the
-machines this was written on: those tests have never run)."""
+tests that drive vLLM itself (marked gpu) skip, with the reason, where vLLM or a GPU is absent: CI's
+machines. They run on the GPU host with vLLM 0.25.1 from scripts/gpu_vllm.sh (the README's "On a GPU";
+results in bench/RESULTS.md). They share one engine (a vLLM start is ~30 s) and run in file order: the
+logprob test first, on the checkpoint's own weights, then the tests that swap weights in."""
 
 from __future__ import annotations
 
@@ -120,10 +122,26 @@ def test_engine_arguments_pin_what_exact_tags_and_logprobs_need():
     kw = ve.engine_kwargs("/m", max_batch=32, max_len=256, dtype="bfloat16", seed=7)
     assert (kw["model"], kw["max_num_seqs"], kw["max_model_len"], kw["dtype"], kw["seed"]) == ("/m", 32, 256,
                                                                                               "bfloat16", 7)
-    assert kw["enable_prefix_caching"] is False and kw["async_scheduling"] is False and kw["stream_interval"] == 1
+    assert kw["enable_prefix_caching"] is True and kw["async_scheduling"] is False and kw["stream_interval"] == 1
+    assert kw["skip_tokenizer_init"] is False
+    off = ve.engine_kwargs("/m", max_batch=32, max_len=256, dtype="bfloat16", seed=7, prefix_caching=False,
+                           skip_tokenizer_init=True)
+    assert off["enable_prefix_caching"] is False and off["skip_tokenizer_init"] is True
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["generation_config"] == "vllm"
     module, name = kw["worker_extension_cls"].rsplit(".", 1)
     assert getattr(importlib.import_module(module), name) is ve.WeightLoadExtension
+
+
+def test_the_cache_salt_names_the_weights_loaded_so_no_prefix_is_shared_across_a_swap():
+    assert ve.cache_salt(0) != ve.cache_salt(1)
+    assert ve.cache_salt(3) == ve.cache_salt(3)
+    stats = ve.PrefillStats(requests=2, prompt_tokens=100, cached_tokens=32)
+    assert stats.prefilled == 68
+
+
+def test_the_topology_turns_prefix_caching_off_when_asked():
+    assert _vllm_topology().rollout_engine.prefix_caching is True
+    assert _vllm_topology(rollout_engine={"prefix_caching": False}).rollout_engine.prefix_caching is False
 
 
 def test_an_older_vllm_drops_optional_arguments_but_refuses_without_required_ones():
@@ -254,7 +272,7 @@ def test_without_vllm_the_rollout_node_names_the_extra_to_install(monkeypatch):
 # -- with vLLM (never run: no vLLM and no GPU where this was written) ----------------------------------
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def vllm_engine():
     pytest.importorskip("vllm", reason=NO_VLLM)
     if not torch.cuda.is_available():
@@ -320,3 +338,89 @@ def test_vllm_swap_between_steps_tags_later_tokens_and_serves_the_new_weights(vl
                 p.copy_(state[k])
         assert comp.versions.tolist() == [1] * comp.output_ids.size
         assert np.allclose(comp.logprobs, _recompute(model, fresh, comp), atol=5e-2)
+
+
+def _cached(engine, rid, prompt):
+    """Prompt tokens vLLM served from its prefix cache for one request of ``prompt``."""
+    before = engine.prefill.cached_tokens
+    _run(engine, [_req(rid, prompt, 4, temperature=1.0)])
+    return engine.prefill.cached_tokens - before
+
+
+@pytest.mark.gpu
+def test_vllm_reuses_an_earlier_turns_prefix_but_never_across_a_swap(vllm_engine, shm_name):
+    from areal_bus.modeling import load_pretrained
+
+    prompt = [1 + (7 * i) % 90 for i in range(40)]  # two full 16-token blocks and some
+    assert _cached(vllm_engine, "c0", prompt) == 0
+    # the next turn continues the same tokens: its first full blocks come from the cache
+    assert _cached(vllm_engine, "c1", prompt + [3, 4, 5]) >= 32
+    model = load_pretrained(TINY, "cpu", torch.float32)
+    state = {k: v.detach().clone() for k, v in model.named_parameters()}
+    with ShmWeightWriter(shm_name, state, copy_threads=1) as writer:
+        vllm_engine.attach_weights({"kind": "shm", "name": shm_name})
+        vllm_engine.swap_weights(vllm_engine.version + 1, writer.write(state, version=vllm_engine.version + 1))
+    # the same tokens after the swap: nothing computed by the weights before it is reused (the weights
+    # here are the same values, so only the salt can have prevented the hit) ...
+    assert _cached(vllm_engine, "c2", prompt) == 0
+    # ... and what the new weights computed is reused from then on
+    assert _cached(vllm_engine, "c3", prompt + [6]) >= 32
+
+
+def _cuda_publisher(conn) -> None:
+    """The trainer's side of a CUDA IPC handoff, in its own process (a process cannot open its own
+    CUDA IPC handles): the tiny checkpoint plus noise as version ``v`` for each ``v`` asked for."""
+    from areal_bus.modeling import load_pretrained
+    from areal_bus.weights_cuda import CudaWeightWriter
+
+    model = load_pretrained(TINY, "cuda", torch.bfloat16)
+    base = {k: v.detach() for k, v in model.named_parameters()}
+    writer = CudaWeightWriter("vllmtest", {k: v.to("meta") for k, v in base.items()}, device="cuda")
+    conn.send(writer.handles())
+    while (version := conn.recv()) is not None:
+        gen = torch.Generator(device="cuda").manual_seed(version)
+        state = {k: v + 0.05 * torch.randn(v.shape, generator=gen, device="cuda", dtype=v.dtype) for k, v in base.items()}
+        conn.send((writer.write(state, version), {k: v.float().cpu() for k, v in state.items()}))
+
+
+@pytest.mark.gpu
+def test_vllm_takes_weights_from_another_process_over_cuda_ipc_mid_generation(vllm_engine):
+    import multiprocessing as mp
+
+    from areal_bus.modeling import load_pretrained
+
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_cuda_publisher, args=(there,), daemon=True)
+    proc.start()
+    try:
+        vllm_engine.attach_weights({"kind": "cuda", "handles": here.recv()})
+        old = vllm_engine.version
+        new = old + 1
+        published = {}
+
+        def swap_at(step):
+            if step == 3:
+                here.send(new)
+                location, published["state"] = here.recv()
+                assert location.startswith("cuda:vllmtest.")
+                vllm_engine.swap_weights(new, location)
+
+        reqs = [_req(f"x{i}", [1 + i, 5, 7], 10, temperature=1.0) for i in range(3)]
+        done = _run(vllm_engine, reqs, between=swap_at)
+        for r in reqs:  # running requests were not aborted: the first tokens are the old version's, then the new
+            tags = done[r.request_id].versions.tolist()
+            assert len(tags) == 10 and tags[0] == old and tags[-1] == new and tags == sorted(tags), tags
+        fresh = _req("y", [2, 6], 8, temperature=1.0)
+        comp = _run(vllm_engine, [fresh])["y"]
+        model = load_pretrained(TINY, "cuda", torch.bfloat16)
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                p.copy_(published["state"][k])
+        assert comp.versions.tolist() == [new] * comp.output_ids.size
+        assert np.allclose(comp.logprobs, _recompute(model, fresh, comp), atol=5e-2)
+    finally:
+        here.send(None)
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()

@@ -37,7 +37,12 @@ How it maps onto vLLM (v1 engine, vLLM >= 0.10.2):
   double-buffered handles are opened once instead. ``load_weights`` copies into vLLM's own (fused)
   parameters, so once the swap returns nothing reads the published buffer any more.
 - Running sequences keep the keys/values the old weights computed (the torch engine's default).
-  Prefix caching is off, so no new request reuses keys/values of an older version.
+  Prefix caching is on (``rollout_engine.prefix_caching``), so a multi-turn agent's next turn, whose
+  prompt continues the tokens of its earlier turns, prefills only its new tokens. Every request carries a
+  ``cache_salt`` naming the weights in force when it was added, and vLLM only matches a prefix between
+  requests of the same salt: after a swap no new request reuses keys/values the older weights computed
+  (a reset would have to wait for running requests, or preempt them; the salt needs neither, and the
+  old blocks age out of the cache as any unused block does).
 - Stops: ``ignore_eos`` plus an explicit ``stop_token_ids`` (the checkpoint config's ``eos_token_id``
   and the request's integer stops), and vLLM's generation_config defaults are not loaded
   (``generation_config="vllm"``): the request alone says how to sample, as with the torch engine. The
@@ -163,18 +168,25 @@ def absorb_outputs(running: dict[str, Generation], outputs, version: int, worker
 
 
 def engine_kwargs(model_path: str | Path, *, max_batch: int, max_len: int, dtype: str, seed: int,
-                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION) -> dict:
-    """``vllm.EngineArgs`` keyword arguments: the model, our limits, and what exact tags need."""
+                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, prefix_caching: bool = True,
+                  skip_tokenizer_init: bool = False) -> dict:
+    """``vllm.EngineArgs`` keyword arguments: the model, our limits, and what exact tags need.
+
+    ``skip_tokenizer_init``: vLLM loads no tokenizer (prompts are token ids and nothing is detokenized
+    here; a checkpoint with random weights and no tokenizer files can be served)."""
     return {
         "model": str(model_path), "dtype": dtype, "seed": seed,
         "max_model_len": max_len, "max_num_seqs": max_batch, "gpu_memory_utilization": gpu_memory_utilization,
-        "enable_prefix_caching": False,  # a cached prefix may hold keys/values of an older version
+        # Each request carries its weights' cache salt (VllmRolloutEngine.add_request), so a prefix is
+        # reused only by requests that started under the same loaded weights.
+        "enable_prefix_caching": prefix_caching,
         "logprobs_mode": "processed_logprobs",  # after temperature, as modeling.logprobs_of (module docstring)
         "worker_extension_cls": EXTENSION_CLS,
         "generation_config": "vllm",  # no sampling defaults from generation_config.json: the request decides
         "disable_log_stats": True,
         "async_scheduling": False,  # would hand back a step's tokens one step() later, across a swap
         "stream_interval": 1,  # every step's tokens in that step's outputs, none held back
+        "skip_tokenizer_init": skip_tokenizer_init,
     }
 
 
@@ -330,6 +342,29 @@ class WeightLoadExtension:
 # -- the engine --------------------------------------------------------------------------------------
 
 
+def cache_salt(weights_loaded: int) -> str:
+    """vLLM's per-request prefix-cache salt for the ``weights_loaded``-th weights this engine serves.
+    vLLM mixes the salt into the hash of a prompt's first block, so the chain of block hashes, and any
+    prefix hit, is only ever shared by requests with the same salt: a request added after a swap never
+    reuses keys/values computed by the weights before it (a counter, not the version: a new lineage
+    starts its versions again at 0)."""
+    return f"w{weights_loaded}"
+
+
+@dataclass(slots=True)
+class PrefillStats:
+    """Prompt tokens added and how many of them vLLM served from its prefix cache (``num_cached_tokens``
+    of each request's first output): ``prompt_tokens - cached_tokens`` were prefilled."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def prefilled(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
 def import_vllm():
     """vLLM, imported for an engine that steps in this process (see the module docstring)."""
     # Set before vLLM reads its environment. Forced, not defaulted: with the engine core in a
@@ -354,7 +389,8 @@ class VllmRolloutEngine:
     def __init__(self, model_path: str | Path, *, max_batch: int = 16, max_len: int = 2048, dtype: str = "bfloat16",
                  seed: int = 0, worker: str = "rollout", version: int = 0, eos_token_ids: list[int] | None = None,
                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, weights: Mapping | None = None,
-                 cuda_handles_file: str | Path | None = None):
+                 cuda_handles_file: str | Path | None = None, prefix_caching: bool = True,
+                 skip_tokenizer_init: bool = False):
         from areal_bus.modeling import ModelConfig
 
         vllm = import_vllm()
@@ -368,11 +404,15 @@ class VllmRolloutEngine:
         self.expected = {k: list(v) for k, v in checkpoint_shapes(model_path).items()}
         self.max_batch, self.max_len, self.worker, self.version = max_batch, max_len, worker, version
         kwargs = engine_kwargs(model_path, max_batch=max_batch, max_len=max_len, dtype=dtype, seed=seed,
-                               gpu_memory_utilization=gpu_memory_utilization)
+                               gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching,
+                               skip_tokenizer_init=skip_tokenizer_init)
         args = fit_engine_args(kwargs, (f.name for f in dataclasses.fields(vllm.EngineArgs)))
         self.llm = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**args))
         self.steps = 0
+        self.weights_loaded = 0  # swaps so far: the cache salt of the weights in force (cache_salt)
+        self.prefill = PrefillStats()
         self._running: dict[str, Generation] = {}
+        self._uncounted: set[str] = set()  # running requests whose prefix-cache hit is not yet known
         self.cuda_handles_file, self._handles_stamp = cuda_handles_file, None
         if weights is not None:
             self.attach_weights(weights)
@@ -399,8 +439,12 @@ class VllmRolloutEngine:
             raise ValueError(f"request {req.request_id} is already running")
         prompt = prompt_of(req, self.max_len)
         params = self._vllm.SamplingParams(**sampling_spec(req, self.eos_token_ids), output_kind=self._delta)
-        self.llm.add_request(req.request_id, self._prompt(prompt_token_ids=prompt), params)
+        self.llm.add_request(req.request_id, self._prompt(prompt_token_ids=prompt, cache_salt=cache_salt(self.weights_loaded)),
+                             params)
         self._running[req.request_id] = Generation(req, time.time())
+        self._uncounted.add(req.request_id)
+        self.prefill.requests += 1
+        self.prefill.prompt_tokens += len(prompt)
 
     def peek(self, request_id: str) -> list[int]:
         """The output ids a running request has so far ([] if it is not running)."""
@@ -412,6 +456,10 @@ class VllmRolloutEngine:
             return []
         outputs = self.llm.step()
         self.steps += 1
+        for out in outputs:  # a request's hit is known from its first output on
+            if out.request_id in self._uncounted:
+                self._uncounted.discard(out.request_id)
+                self.prefill.cached_tokens += int(out.num_cached_tokens or 0)
         return absorb_outputs(self._running, outputs, self.version, self.worker)
 
     def swap_weights(self, version: int, location: str) -> float:
@@ -423,6 +471,7 @@ class VllmRolloutEngine:
                 self.attach_weights({"kind": "cuda", "handles": handles})
         self.llm.collective_rpc("areal_bus_load", args=(location,))
         self.version = version
+        self.weights_loaded += 1  # requests added from now on reuse no keys/values of the old weights
         return time.perf_counter() - t0
 
 
@@ -438,6 +487,6 @@ def engine_from_topology(topo, worker: str, replica: int, base=None) -> VllmRoll
     # model.device is 'cuda' or 'cuda:0' here: the topology refuses anything else for this engine.
     return VllmRolloutEngine(path, max_batch=cfg.max_batch, max_len=cfg.max_len, dtype=model.dtype,
                              seed=model.seed * 1000 + replica, worker=worker,
-                             gpu_memory_utilization=cfg.gpu_memory_utilization,
+                             gpu_memory_utilization=cfg.gpu_memory_utilization, prefix_caching=cfg.prefix_caching,
                              weights={"kind": "shm", "name": topo.shm_name(base)},
                              cuda_handles_file=handles_path(topo.ipc_dir(base), topo.shm_name(base)))
