@@ -15,12 +15,13 @@
 # Exit status: COMMAND's, 0 when waiting for parts, 1 on a bad part or a failed install.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SUMS=.whl/vllm/SHA256SUMS
+DIR=${VLLM_PARTS_DIR:-.whl/vllm}  # where the carried part and SHA256SUMS are
+SUMS=$DIR/SHA256SUMS
 PARTS=/tmp/vllm-parts
 SITE=/tmp/site
 [ -f "$SUMS" ] || { echo "no $SUMS: carry it with each part (scripts/host_wheels.sh --vllm makes both)" >&2; exit 1; }
 mkdir -p "$PARTS" "$SITE/bin"
-for part in .whl/vllm/part-*; do
+for part in "$DIR"/part-*; do
     [ -e "$part" ] || continue
     name=$(basename "$part")
     want=$(awk -v n="$name" '$2 == n {print $1}' "$SUMS")
