@@ -8,7 +8,7 @@
 #                                          at the version this venv has
 #   bash scripts/host_wheels.sh --vllm     .whl/vllm/: vLLM 0.25.1 and the ~21 MB of packages the host
 #                                          lacks for it, with the bus's wheels, as one tar cut in parts of
-#                                          at most 58 MiB (part-00, part-01, ...) and SHA256SUMS. The host
+#                                          55 MiB (part-00, part-01, ...) and SHA256SUMS. The host
 #                                          receives at most 64 MiB per command: carry one part (and
 #                                          SHA256SUMS) per command; scripts/gpu_vllm.sh joins them there.
 set -euo pipefail
@@ -62,7 +62,7 @@ rm -rf .whl/vllm
 mkdir -p .whl/vllm
 tar -C "$stage" -cf "$stage/vllm-wheels.tar" wheels
 (cd "$stage" && sha256sum vllm-wheels.tar) > .whl/vllm/SHA256SUMS
-split -b 58M -d -a 2 "$stage/vllm-wheels.tar" .whl/vllm/part-
+split -b 55M -d -a 2 "$stage/vllm-wheels.tar" .whl/vllm/part-
 (cd .whl/vllm && sha256sum part-*) >> .whl/vllm/SHA256SUMS
 ls "$stage/wheels"
 ls -l .whl/vllm
