@@ -4,7 +4,12 @@ An agent joins training by pointing its SDK at the gateway: ``base_url=http://HO
 ``api_key=<session key>``. Routes (each also under ``/gateway``):
 
     POST /v1/chat/completions      OpenAI chat completions: JSON or SSE, n, tools, stop, usage
-    GET  /v1/models[/{id}]         the policy model (and the router's models, if one is given)
+    POST /v1/responses             OpenAI Responses, translated to a chat request (responses_api): items,
+                                   function tools, previous_response_id, the Responses SSE events
+    POST /v1/completions           legacy completions: text or token ids in, recorded exactly
+                                   (completions_routes: no chat template)
+    GET  /v1/models[/{id}]         the policy model (and the router's models, if one is given); the
+                                   anthropic SDK's page shape when it asks (anthropic-version)
     POST /v1/messages              Anthropic Messages, translated by anthropic_api (Claude Code)
     POST /v1/messages/count_tokens Anthropic token count, with the policy's template
     POST /rl/sessions              admin token: open a session (an episode); returns its key
@@ -14,7 +19,8 @@ An agent joins training by pointing its SDK at the gateway: ``base_url=http://HO
     GET  /rl/metrics               admin token: the counters (requests, refusals by reason) and gauges
     GET  /health                   liveness, no key needed
 
-Who may call: the admin token works everywhere (chat calls with it are served but not recorded: handy
+Keys are read from ``Authorization: Bearer`` or ``x-api-key`` on every route. Who may call: the admin
+token works everywhere (chat calls with it are served but not recorded: handy
 for smoke tests); a session key works for chat calls (recorded into its session) and for its own
 session's /rl routes. Policy requests go to ``backend`` (backend.Backend); other models go to
 ``router.chat(model, request)`` when a router is given, else 404 model_not_found.
@@ -41,7 +47,9 @@ Here: the Gateway (keys and bodies, session lifecycle, the OpenAI chat and model
 its config, ``GatewayConfig``, is in areal_bus/node_configs.py. The Gateway is put together from mixins,
 one module each: ``policy_chat.PolicyChat`` serves a chat request with the policy (prompt, generation,
 recording, choice post-processing, the response), ``anthropic_routes.AnthropicRoutes`` the Anthropic
-Messages routes, ``rl_routes.RLRoutes`` the /rl routes and /health. The HTTP plumbing (``json_response``,
+Messages routes, ``responses_routes.ResponsesRoutes`` the Responses route (through PolicyChat),
+``completions_routes.CompletionsRoutes`` the legacy completions route, ``rl_routes.RLRoutes`` the /rl
+routes and /health. The HTTP plumbing (``json_response``,
 the error middleware, ``start_server``) is in ``server``, its public names re-exported here.
 
 Build and serve (the gateway node's ``run`` does this with the bus backend)::
@@ -68,11 +76,13 @@ from areal_bus.node_configs import GatewayConfig
 from nodes.gateway.anthropic_routes import AnthropicRoutes
 from nodes.gateway.backend import Backend
 from nodes.gateway.chat import ChatRenderer
+from nodes.gateway.completions_routes import CompletionsRoutes
 from nodes.gateway.guard import MAX_JSON_DEPTH, RedactingLog, check_json, too_deep
 from nodes.gateway.live import LiveStream
 from nodes.gateway.openai_api import (SSE_DONE, OpenAIError, model_card, parse_chat_request, router_error, sse,
                                       stream_chunks)
 from nodes.gateway.policy_chat import PolicyChat
+from nodes.gateway.responses_routes import Conversations, ResponsesRoutes
 from nodes.gateway.rl_routes import RLRoutes
 from nodes.gateway.server import ADMIN, GATEWAY, _errors, json_response, sse_reply
 from nodes.gateway.server import GatewayStartError, bound_port, start_server  # noqa: F401 (re-exported)
@@ -93,11 +103,17 @@ KEY_HELP = ("Check: is the environment variable holding the key set in this shel
             "$AREAL_BUS_ADMIN_TOKEN of the shell that started the gateway.")
 
 
+SESSION_TAG_CONTEXT = "areal_bus/session-key-tag\0"
+"""Prefixed to the admin token to derive the session keys' tag key (sessions.key_tag): a gateway
+restarted with the same token recognises the keys it minted before (their sessions ended)."""
+
 _ENDED_WHY = {"idle": "idle for longer than session_idle_timeout_s", "ended": "ended by POST /rl/sessions/{id}/end",
-              "shutdown": "the gateway shut down"}
+              "shutdown": "the gateway shut down",
+              "gone": "this gateway no longer holds it: it was open on a gateway that has restarted since, or it "
+                      "ended long ago"}
 
 
-class Gateway(PolicyChat, AnthropicRoutes, RLRoutes):
+class Gateway(PolicyChat, AnthropicRoutes, ResponsesRoutes, CompletionsRoutes, RLRoutes):
     """The gateway behind one aiohttp application: its keys, sessions and routes (see the module
     docstring for which mixin serves which)."""
 
@@ -123,7 +139,9 @@ class Gateway(PolicyChat, AnthropicRoutes, RLRoutes):
             raise ValueError("GatewayConfig.max_context_tokens is not set and the backend does not say "
                              "(set it to the engine's max_len)")
         self.max_context = int(ctx)
-        self.store = SessionStore(cfg.max_sessions, cfg.session_idle_timeout_s, wal=wal)
+        self.store = SessionStore(cfg.max_sessions, cfg.session_idle_timeout_s, wal=wal,
+                                  tag_key=key_digest(SESSION_TAG_CONTEXT + cfg.admin_token))
+        self.conversations = Conversations()  # responses_routes: what previous_response_id continues
         self.wal = wal
         self.resumed, self.resend = 0, []  # what a restart found in the WAL (on_startup emits ``resend``)
         if wal is not None:
@@ -175,15 +193,19 @@ class Gateway(PolicyChat, AnthropicRoutes, RLRoutes):
         return data
 
     def principal(self, request: web.Request, key: str | None = None):
-        """ADMIN, a live Session, or a 401 saying what to check. Keys never appear in a message or log."""
+        """ADMIN, a live Session, or a 401 saying what to check. The key is ``Authorization: Bearer`` (the
+        openai SDK) or else ``x-api-key`` (the anthropic SDK), on every route. Keys never appear in a
+        message or log."""
         if key is None:
             scheme, _, key = request.headers.get("Authorization", "").partition(" ")
             if scheme and scheme.lower() != "bearer":
                 raise OpenAIError(401, "The Authorization header must be 'Bearer <key>'.", code="invalid_api_key")
+            if not scheme:
+                key = request.headers.get("x-api-key", "")
         if not key.strip():
             raise OpenAIError(401, "You didn't provide an API key. Pass the session key (or the admin token) as the "
-                              "api_key: the SDK sends it as 'Authorization: Bearer <key>'. " + KEY_HELP,
-                              code="invalid_api_key")
+                              "api_key: the openai SDK sends it as 'Authorization: Bearer <key>', the anthropic SDK "
+                              "as 'x-api-key: <key>'. " + KEY_HELP, code="invalid_api_key")
         if key != key.strip():
             raise OpenAIError(401, "Invalid API key: it has leading or trailing whitespace or a newline; strip it. "
                               + KEY_HELP, code="invalid_api_key")
@@ -195,7 +217,8 @@ class Gateway(PolicyChat, AnthropicRoutes, RLRoutes):
         if why != "invalid":
             sid = key.rpartition(".")[0]
             raise OpenAIError(401, f"Session {sid} has ended ({_ENDED_WHY.get(why, why)}); its key is no longer "
-                              f"valid. Open a new session with POST /rl/sessions.", code="session_ended")
+                              f"valid. Open a new session with POST /rl/sessions (the orchestrator's admin token) "
+                              f"and use its api_key.", code="session_ended")
         literal = " The key is the literal text '${...}': it was never expanded." if key.startswith("${") else ""
         raise OpenAIError(401, f"Invalid API key.{literal} " + KEY_HELP, code="invalid_api_key")
 
@@ -325,7 +348,11 @@ class Gateway(PolicyChat, AnthropicRoutes, RLRoutes):
 
     async def list_models(self, request: web.Request) -> web.Response:
         self.principal(request)
-        return json_response({"object": "list", "data": [model_card(m) for m in self.model_ids()]})
+        ids = self.model_ids()
+        if _anthropic_client(request):  # the anthropic SDK's models.list(): its own page shape
+            return json_response({"data": [anthropic_model_card(m) for m in ids], "has_more": False,
+                                  "first_id": ids[0], "last_id": ids[-1]})
+        return json_response({"object": "list", "data": [model_card(m) for m in ids]})
 
     async def get_model(self, request: web.Request) -> web.Response:
         self.principal(request)
@@ -333,8 +360,16 @@ class Gateway(PolicyChat, AnthropicRoutes, RLRoutes):
         if model not in self.model_ids():
             raise OpenAIError(404, f"The model '{model}' does not exist on this gateway.", code="model_not_found",
                               param="model")
-        return json_response(model_card(model))
+        return json_response(anthropic_model_card(model) if _anthropic_client(request) else model_card(model))
 
+
+def _anthropic_client(request: web.Request) -> bool:
+    """The anthropic SDK (and Claude Code) send ``anthropic-version`` on every request; the openai SDK never."""
+    return "anthropic-version" in request.headers
+
+
+def anthropic_model_card(model_id: str) -> dict:
+    return {"type": "model", "id": model_id, "display_name": model_id, "created_at": "1970-01-01T00:00:00Z"}
 
 
 def make_app(cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, emit=None, admission=None,
@@ -360,6 +395,8 @@ def make_app(cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, em
         app.router.add_post(f"{prefix}/v1/chat/completions", gw.chat_completions)
         app.router.add_get(f"{prefix}/v1/models", gw.list_models)
         app.router.add_get(f"{prefix}/v1/models/{{model}}", gw.get_model)
+        app.router.add_post(f"{prefix}/v1/responses", gw.responses_create)
+        app.router.add_post(f"{prefix}/v1/completions", gw.completions_create)
         app.router.add_post(f"{prefix}/v1/messages", gw.anthropic_messages)
         app.router.add_post(f"{prefix}/v1/messages/count_tokens", gw.anthropic_count_tokens)
         app.router.add_post(f"{prefix}/rl/sessions", gw.create_session)

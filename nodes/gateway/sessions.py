@@ -31,6 +31,10 @@ Keys: ``<session id>.<secret>`` (a selector and a verifier). The session id is n
 URLs, logs and response ids), so finding the session by it leaks nothing; only sha256(secret) is
 stored, and it is compared with ``hmac.compare_digest`` on digests of equal length, so the time a
 check takes says nothing about how much of a guessed secret was right. A leaked store holds no key.
+With a ``tag_key`` (the Gateway derives one from its admin token) the secret ends in an HMAC tag of the
+session id and the random part: a gateway that no longer holds a session (restarted, or the session
+ended long ago) still knows a key it minted, and answers "this session ended" rather than "invalid key";
+a typo or a key spliced from two sessions fails the tag and stays an invalid key.
 
 Durability (``wal``, a ``wal.GatewayWAL``): with one, every change a client is answered for is written
 there first: a session opened (its key digest, never the key), a turn recorded, a reward, a session
@@ -40,6 +44,7 @@ restarted gateway holds the open sessions as they were and their keys keep worki
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import math
@@ -57,6 +62,12 @@ from areal_bus.messages import Completion, Trajectory
 ENDED_REMEMBERED = 10_000
 """Ended sessions whose keys are still recognised, so a late request hears "this session ended"
 instead of "invalid key". A few hundred KB; older ones fall back to "invalid key"."""
+
+
+KEY_TAG_CHARS = 22
+"""Characters of a key's HMAC tag (16 bytes of HMAC-SHA256, URL-safe base64 without padding)."""
+
+_KEY_RANDOM_CHARS = 43  # secrets.token_urlsafe(32)
 
 
 class SessionLimitError(RuntimeError):
@@ -167,6 +178,12 @@ def key_digest(secret: str) -> bytes:
 
 
 
+def key_tag(tag_key: bytes, sid: str, random_part: str) -> str:
+    """The tag that ends a session key's secret: HMAC-SHA256 of the session id and the random part."""
+    mac = hmac.new(tag_key, f"{sid}.{random_part}".encode("utf-8", "surrogateescape"), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(mac[:16]).decode().rstrip("=")
+
+
 def _prefix_hashes(history, h: int = 0) -> list[int]:
     """hashes[n - 1] stands for history[:n] (a hash of the hash before and the n-th message); ``h``:
     the hash of the messages before ``history`` (0: none)."""
@@ -178,8 +195,10 @@ def _prefix_hashes(history, h: int = 0) -> list[int]:
 
 
 class SessionStore:
-    def __init__(self, max_sessions: int = 1000, idle_timeout_s: float = 300.0, clock=time.monotonic, wal=None):
+    def __init__(self, max_sessions: int = 1000, idle_timeout_s: float = 300.0, clock=time.monotonic, wal=None,
+                 tag_key: bytes | None = None):
         self.max_sessions = max_sessions
+        self.tag_key = tag_key  # None: keys carry no tag, and a forgotten session's key reads as invalid
         self.wal = wal  # GatewayWAL or None (in memory only: lost with the process)
         self.idle_timeout_s = idle_timeout_s
         self.clock = clock
@@ -197,6 +216,8 @@ class SessionStore:
                                     f"(after {self.idle_timeout_s:g} s)")
         sid = f"sess-{uuid.uuid4().hex[:20]}"
         secret = secrets.token_urlsafe(32)
+        if self.tag_key is not None:
+            secret += key_tag(self.tag_key, sid, secret)
         now = self.clock()
         if ticket is None:
             ticket, self._tickets = self._tickets, self._tickets + 1
@@ -207,8 +228,9 @@ class SessionStore:
         return session, f"{sid}.{secret}"
 
     def authenticate(self, key: str) -> tuple[Session | None, str]:
-        """(session, "") for a live session's key; (None, why) otherwise: "invalid" or the reason a
-        recently ended session ended ("ended", "idle", ...)."""
+        """(session, "") for a live session's key; (None, why) otherwise: "invalid", the reason a
+        recently ended session ended ("ended", "idle", ...), or "gone" for a key this store's tag key
+        minted whose session it does not hold (ended before a restart, or forgotten)."""
         sid, dot, secret = key.rpartition(".")
         if not dot:
             return None, "invalid"
@@ -219,7 +241,15 @@ class SessionStore:
         gone = self.ended.get(sid)
         if gone is not None and hmac.compare_digest(digest, gone[0]):
             return None, gone[1]
+        if session is None and gone is None and self._minted(sid, secret):
+            return None, "gone"
         return None, "invalid"
+
+    def _minted(self, sid: str, secret: str) -> bool:
+        if self.tag_key is None or len(secret) != _KEY_RANDOM_CHARS + KEY_TAG_CHARS:
+            return False
+        tag = key_tag(self.tag_key, sid, secret[:_KEY_RANDOM_CHARS])
+        return hmac.compare_digest(tag.encode(), secret[_KEY_RANDOM_CHARS:].encode("utf-8", "surrogateescape"))
 
     def get(self, sid: str) -> Session | None:
         return self.sessions.get(sid)

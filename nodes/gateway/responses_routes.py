@@ -1,0 +1,152 @@
+"""The gateway's Responses route (the openai SDK's ``client.responses``, the OpenAI Agents SDK, Codex):
+
+    POST /v1/responses   responses_create   translated to a chat request (responses_api), served by the
+                                            policy through PolicyChat.complete (recorded into the
+                                            session, exact tokens) or by the router, answered as a
+                                            Response or its SSE events
+
+``previous_response_id``: the gateway keeps each response's conversation (``Conversations``: the
+messages its request added and the reply, linked to the response it continued), per session, so a
+follow-up that sends only its new items is the same chat conversation a client resending everything
+would send, and continues the same recorded token prefix. Only the session that made a response (or the
+admin, for its own unrecorded calls) can continue it; the conversations go with their session. They are
+held in memory: after a gateway restart a previous_response_id is unknown (a 404 saying to send the
+whole input), even where the WAL resumed the session.
+
+``ResponsesRoutes`` is a mixin of ``app.Gateway``, registered in ``make_app``; it relies on the Gateway's
+``cfg``, ``principal``, ``read_json``, ``routed``, ``complete`` (policy_chat), ``store`` and
+``conversations`` (a ``Conversations``, made in ``Gateway.__init__``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+from aiohttp import web
+
+from nodes.gateway import responses_api
+from nodes.gateway.openai_api import OpenAIError, parse_chat_request
+from nodes.gateway.server import ADMIN, SSE_HEADERS, json_response, sse_reply
+from nodes.gateway.sessions import Session
+
+RESPONSES_KEPT_PER_SESSION = 4096
+"""Responses whose conversation a session (or the admin) can continue by previous_response_id: more
+turns than an agent's episode takes; the oldest go first (a follow-up to one gets a 404)."""
+
+
+class Conversations:
+    """Per owner (a session id, or "" for the admin), each kept response's id -> (the response it
+    continued, the messages it added: its request's input and the reply). Linked, so a session of T
+    turns holds O(T) messages, not O(T^2)."""
+
+    def __init__(self, per_owner: int = RESPONSES_KEPT_PER_SESSION):
+        self.per_owner = per_owner
+        self.by_owner: dict[str, OrderedDict[str, tuple[str | None, list[dict]]]] = {}
+
+    def history(self, owner: str, rid: str | None) -> list[dict] | None:
+        """The messages of response ``rid``'s conversation (instructions not included), or a 404."""
+        if rid is None:
+            return None
+        kept = self.by_owner.get(owner, {})
+        chain, at = [], rid
+        while at is not None:
+            entry = kept.get(at)
+            if entry is None:
+                gone = at != rid
+                raise OpenAIError(404, f"Previous response with id '{rid}' not found"
+                                  + (f" (its conversation reaches back to '{at}', which is no longer kept)" if gone
+                                     else ": this gateway keeps the responses of this key's open session (in memory, "
+                                     "so none from before a restart)")
+                                  + ". Send the whole conversation as input instead.",
+                                  param="previous_response_id", code="previous_response_not_found")
+            chain.append(entry[1])
+            at = entry[0]
+        return [m for part in reversed(chain) for m in part]
+
+    def keep(self, owner: str, rid: str, parent: str | None, messages: list[dict], live: dict) -> None:
+        kept = self.by_owner.setdefault(owner, OrderedDict())
+        kept[rid] = (parent, messages)
+        while len(kept) > self.per_owner:
+            kept.popitem(last=False)
+        if len(self.by_owner) > 2 * len(live) + 64:  # amortised: ended sessions' conversations go
+            for sid in [s for s in self.by_owner if s and s not in live]:
+                del self.by_owner[sid]
+
+
+class ResponsesLive:
+    """A streamed Response on the wire, written as PolicyChat.complete generates it (the duck type of
+    live.LiveStream: ``open``, ``text``, ``finish``, ``fail``, ``stream``). ``on_done(chat)`` runs
+    before the last events go out, so a follow-up sent on response.completed finds the conversation."""
+
+    def __init__(self, body: dict, on_done):
+        self.body, self.on_done = body, on_done
+        self.stream: web.StreamResponse | None = None
+        self.events: responses_api.StreamEvents | None = None
+        self.gone = False
+
+    async def open(self, request: web.Request, rid: str, prompt_tokens: int, n: int) -> None:
+        self.events = responses_api.StreamEvents(self.body, responses_api.response_id(rid))
+        self.stream = web.StreamResponse(headers=SSE_HEADERS)
+        try:
+            await self.stream.prepare(request)
+        except (ConnectionError, RuntimeError):
+            self.gone = True
+        await self._write(self.events.opening())
+
+    async def text(self, index: int, delta: str) -> None:
+        await self._write(self.events.text(delta))
+
+    async def finish(self, resp: dict, rest: list[list[str]]) -> None:
+        self.on_done(resp)
+        await self._write(self.events.closing(resp, rest[0]), eof=True)
+
+    async def fail(self, err: OpenAIError) -> None:
+        await self._write(self.events.error(err), eof=True)
+
+    async def _write(self, events, eof: bool = False) -> None:
+        if self.gone:
+            return
+        try:
+            await self.stream.write(b"".join(responses_api.format_sse(e, d) for e, d in events))
+            if eof:
+                await self.stream.write_eof()
+        except (ConnectionError, RuntimeError):  # the client left: the turn is recorded all the same
+            self.gone = True
+
+
+class ResponsesRoutes:
+    """POST /v1/responses, served by the Gateway that mixes this class in."""
+
+    async def responses_create(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.monotonic()
+        who = self.principal(request)
+        body = await self.read_json(request)
+        if who is not ADMIN and who.closing:  # the session ended while the body arrived: say how, as a 401
+            who = self.principal(request)
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_body")
+        owner = who.id if isinstance(who, Session) else ""
+        parent = body.get("previous_response_id") if isinstance(body.get("previous_response_id"), str) else None
+        chat, new = responses_api.to_chat_request(body, self.conversations.history(owner, parent))
+        req = parse_chat_request(chat)
+        stream = bool(body.get("stream"))
+
+        def done(resp: dict) -> None:
+            if body.get("store", True) is not False:
+                self.conversations.keep(owner, responses_api.response_id(resp["id"]), parent,
+                                        [*new, resp["choices"][0]["message"]], self.store.sessions)
+
+        if req.model == self.cfg.policy_model:
+            live = ResponsesLive(body, done) if stream else None
+            resp, _ = await self.complete(req, who, t0, live, request)
+            if live is not None:
+                return live.stream
+        else:
+            resp = await self.routed(req.model, chat, t0)
+        done(resp)
+        rid = responses_api.response_id(resp["id"])
+        if stream:
+            events = responses_api.StreamEvents(body, rid).whole(resp)
+            return await sse_reply(request, b"".join(responses_api.format_sse(e, d) for e, d in events))
+        return json_response(responses_api.response_object(body, rid, resp))
