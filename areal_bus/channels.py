@@ -19,7 +19,7 @@ import zmq
 from areal_bus.codec import DecodeError, Encoder, decode
 from areal_bus.constants import DROPS_PER_RECV, LINGER_MS, RESEND_AFTER_S
 from areal_bus.metrics import Metrics
-from areal_bus.security import secure
+from areal_bus.security import private_dir, secure
 
 
 def open_socket(ctx: zmq.Context, stype: int, endpoint: str | list[str], *, bind: bool,
@@ -43,8 +43,9 @@ def open_socket(ctx: zmq.Context, stype: int, endpoint: str | list[str], *, bind
             sock.setsockopt(zmq.SUBSCRIBE, topic)
     for ep in [endpoint] if isinstance(endpoint, str) else endpoint:
         if ep.startswith("ipc://"):
-            # Owner only: whoever can connect to an ipc socket can put messages on the bus.
-            Path(ep[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            # Owner only: whoever can connect to an ipc socket can put messages on the bus. The one
+            # place the folder is made or checked (refused if another user owns it or may write in it).
+            private_dir(Path(ep[len("ipc://"):]).parent)
         sock.bind(ep) if bind else sock.connect(ep)
     return sock
 

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+import zmq
 
+from areal_bus.channels import open_socket
 from areal_bus.node import NodeShell
 from areal_bus.security import IpcDirError
 from areal_bus.topology import parse_topology
@@ -78,8 +80,8 @@ def test_the_default_guessable_folder_made_by_someone_else_is_refused(work):
     default.mkdir(mode=0o700)
     try:
         os.chmod(default, 0o777)  # what another local user's `mkdir -m 777` leaves
-        with pytest.raises(IpcDirError):
-            topo.endpoint("hub_in", 0, work)
+        with pytest.raises(IpcDirError), zmq.Context() as ctx:
+            open_socket(ctx, zmq.PUB, topo.endpoint("hub_in", 0, work), bind=True)
     finally:
         shutil.rmtree(default, ignore_errors=True)
 
@@ -87,7 +89,8 @@ def test_the_default_guessable_folder_made_by_someone_else_is_refused(work):
 def test_our_own_folder_that_others_may_only_read_is_tightened_to_0700(work):
     (work / "ipc").mkdir()
     os.chmod(work / "ipc", 0o755)  # nobody else could have written in it
-    _topo(work, work / "ipc").endpoint("hub_in", 0, work)
+    with zmq.Context() as ctx:
+        open_socket(ctx, zmq.PUB, _topo(work, work / "ipc").endpoint("hub_in", 0, work), bind=True).close()
     assert _mode(work / "ipc") == 0o700
 
 
