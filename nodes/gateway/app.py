@@ -229,11 +229,23 @@ class Gateway(PolicyChat, AnthropicRoutes, ResponsesRoutes, CompletionsRoutes, R
         self.log.info("request_refused", route=request.path, status=status, code=reason)
 
     def _emit(self, trajectories) -> None:
+        import os
+
+        from areal_bus.ledger import LedgerWriteError
+
         pending, self.unemitted = [*self.unemitted, *trajectories], []
         for traj in pending:
             try:
                 if self.emit is not None:
                     self.emit(traj)
+            except LedgerWriteError as exc:
+                # A full disk: the record that explains the send cannot be written, and retrying at every
+                # sweep hid it. Fail loudly instead: exit 1, which supervisord restarts and the run-end
+                # listener counts (a disk that stays full ends the run naming this node). The WAL holds
+                # every ended session; the restarted gateway resends them once there is space.
+                self.log.error("ledger_write_failed", traj=traj.traj_id, error=str(exc),
+                               fix="free space on the log_dir's disk; nothing acknowledged is lost (WAL)")
+                os._exit(1)
             except Exception as exc:  # deliberately tolerated: kept and retried at the next sweep
                 self.log.error("emit_failed", traj=traj.traj_id, error=repr(exc))
                 self.unemitted.append(traj)
