@@ -30,7 +30,7 @@ from areal_bus import messages as m
 from areal_bus.channels import Receiver, open_socket
 from areal_bus.codec import Encoder, pack_topic
 from areal_bus.constants import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS, LINGER_MS, PUB_HWM
-from areal_bus.logs import setup_logging
+from areal_bus.logs import log_failures, setup_logging
 from areal_bus.metrics import Metrics
 from areal_bus.security import bus_context
 from areal_bus.topology import Topology, dump_resolved
@@ -189,6 +189,9 @@ class NodeShell:
     def heartbeat(self) -> m.Heartbeat:
         counters, gauges, hists = self.metrics.snapshot()
         gauges["uptime_s"] = time.time() - self._started
+        # Log lines this process could not write (ENOSPC, a closed stdout) are dropped, never raised: the
+        # heartbeat is where someone sees that its log went quiet (areal_bus_log_failures_total).
+        counters["log.failures"] = log_failures()
         return m.Heartbeat(node_id=self.node_id, kind=self.kind, incarnation=self.incarnation, pid=os.getpid(),
                            t=time.time(), version=self.version, counters=counters, gauges=gauges, hists=hists,
                            inflight=list(self.inflight))
