@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nodes.gateway.backend import SamplingParams
 from nodes.gateway.live import TextFeed
@@ -74,14 +74,6 @@ class CompletionRequest(BaseModel):
     seed: int | None = None
     user: str | None = None
 
-    @model_validator(mode="after")
-    def _limits(self):
-        if isinstance(self.stop, list) and len(self.stop) > MAX_STOPS:
-            raise ValueError(f"at most {MAX_STOPS} stop sequences")
-        if isinstance(self.prompt, list) and not 0 < len(self.prompt) <= MAX_PROMPTS:
-            raise ValueError(f"between 1 and {MAX_PROMPTS} prompts (or a non-empty list of token ids)")
-        return self
-
     @property
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -115,6 +107,12 @@ def parse_completion_request(data) -> CompletionRequest:
         req = CompletionRequest.model_validate(data)
     except ValidationError as err:
         raise validation_error(err) from None
+    if isinstance(req.stop, list) and len(req.stop) > MAX_STOPS:
+        raise OpenAIError(400, f"Invalid value for 'stop': at most {MAX_STOPS} stop sequences.", param="stop",
+                          code="invalid_value")
+    if isinstance(req.prompt, list) and not 0 < len(req.prompt) <= MAX_PROMPTS:
+        raise OpenAIError(400, f"Invalid value for 'prompt': a non-empty list of token ids, or 1 to {MAX_PROMPTS} "
+                          f"prompts.", param="prompt", code="invalid_value")
     for field, refused, why in _CANNOT:
         if refused(req):
             raise OpenAIError(400, f"'{field}' cannot be honoured: {why}.", param=field, code="unsupported_parameter")
