@@ -96,6 +96,67 @@ def test_an_ended_sessions_key_opens_nothing(gateway):
     assert gw.post(f"/rl/sessions/{b['session_id']}/end", key=a["api_key"]).status_code == 401
 
 
+def test_x_api_key_is_read_wherever_a_key_is_and_the_anthropic_sdk_lists_the_models(gateway):
+    gw = gateway()
+    s = gw.open_session()
+    with anthropic.Anthropic(base_url=gw.url, api_key=s["api_key"], max_retries=0, timeout=30) as claude:
+        assert [m.id for m in claude.models.list()] == [POLICY]
+        assert claude.models.retrieve(POLICY).id == POLICY
+    key = {"x-api-key": s["api_key"]}
+    assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT, headers=key, timeout=30).status_code == 200
+    assert httpx.post(gw.url + "/v1/responses", json={"model": POLICY, "input": GAME, "max_output_tokens": 2},
+                      headers=key, timeout=30).status_code == 200
+    state = httpx.get(gw.url + f"/rl/sessions/{s['session_id']}", headers=key, timeout=30)
+    assert state.status_code == 200 and state.json()["completions"] == 2
+    wrong = httpx.get(gw.url + "/v1/models", headers={"x-api-key": "sk-wrong"}, timeout=30)
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+
+
+def _ended_errors(gw, key: str) -> tuple:
+    with pytest.raises(openai.AuthenticationError) as chat:
+        gw.client(key=key).chat.completions.create(**CHAT)
+    with pytest.raises(openai.AuthenticationError) as responses:
+        gw.client(key=key).responses.create(model=POLICY, input=GAME)
+    with anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0, timeout=30) as claude:
+        with pytest.raises(anthropic.AuthenticationError) as messages:
+            claude.messages.create(model=POLICY, max_tokens=2, messages=[{"role": "user", "content": GAME}])
+    return chat.value, responses.value, messages.value
+
+
+def test_an_ended_sessions_key_gets_session_ended_and_an_unknown_key_the_invalid_key_advice(gateway):
+    gw = gateway()
+    s = gw.open_session()
+    gw.post(f"/rl/sessions/{s['session_id']}/end")
+    chat, responses, messages = _ended_errors(gw, s["api_key"])
+    for err in (chat, responses):
+        assert err.code == "session_ended" and "Open a new session" in err.message and "Check:" not in err.message
+    assert f"Session {s['session_id']} has ended" in messages.message and "Check:" not in messages.message
+    with pytest.raises(openai.AuthenticationError) as unknown:
+        gw.client(key="sk-" + secrets.token_urlsafe(16)).responses.create(model=POLICY, input=GAME)
+    assert unknown.value.code == "invalid_api_key" and "Check:" in unknown.value.message
+
+
+def test_after_a_gateway_restart_a_key_of_a_session_the_restart_ended_gets_session_ended(gateway):
+    first = gateway()
+    s = first.open_session()
+    first.client(key=s["api_key"]).chat.completions.create(**CHAT)
+    first.close()  # the shutdown ends the open session (no WAL here: nothing is resumed)
+    assert first.emitted[-1].meta["end_reason"] == "shutdown"
+    second = gateway()
+    chat, responses, messages = _ended_errors(second, s["api_key"])
+    for err in (chat, responses):
+        assert err.code == "session_ended" and "restarted" in err.message and "Check:" not in err.message
+    assert "has ended" in messages.message and "restarted" in messages.message
+    sid, _, secret = s["api_key"].partition(".")
+    for forged in (f"{sid}.{secret[:-1]}A" if secret[-1] != "A" else f"{sid}.{secret[:-1]}B",
+                   f"{sid}.{secrets.token_urlsafe(48)}"):  # a wrong tag, or none: an invalid key, not an ended one
+        with pytest.raises(openai.AuthenticationError) as err:
+            second.client(key=forged).chat.completions.create(**CHAT)
+        assert err.value.code == "invalid_api_key"
+    fresh = second.open_session()
+    assert second.client(key=fresh["api_key"]).chat.completions.create(**CHAT).choices
+
+
 def test_a_key_with_bytes_that_are_not_utf8_is_a_401_not_an_error(gateway):
     gw = gateway()
     for header in (b"Authorization: Bearer \xff\xfe", b"x-api-key: " + ADMIN.encode() + b"\xe9"):
