@@ -180,13 +180,19 @@ def audit(log_dir: str | Path, trainer: str = "trainer-0") -> dict:
             stale.update(r["ids"])
     unconsumed = set(finished["unconsumed"]) if finished else set()
     settled = set(trained) | set(stale)
+    # Refused for good (dead letters, in every lineage): before acceptance (rejected) or after it, by a
+    # failed or fatal update (quarantined). Neither is lost; a quarantined id also trained is a bug.
+    refused = {i for r in by_ev["rejected"] for i in r["ids"]}
     return {
         "produced": len(produced),
         "accepted": len(accepted),
         "trained": len(trained),
         "dropped_stale": len(stale),
         "unconsumed_at_end": len(unconsumed - settled),
-        "lost": len(accepted - settled - unconsumed),
+        "lost": len(accepted - settled - unconsumed - refused),
+        "rejected": len(refused - accepted),
+        "quarantined": len(refused & accepted),
+        "quarantined_and_trained": len(refused & set(trained)),
         "duplicated": sum(c - 1 for c in trained.values()) + sum(c - 1 for c in stale.values())
         + len(set(trained) & set(stale)),
         "not_accepted": len(produced - accepted),  # in flight at the end, or died with a killed producer

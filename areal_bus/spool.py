@@ -23,6 +23,13 @@ model (``check_trajectory``) or one whose update raised. It is written at once, 
 transaction, before the rejection is acknowledged, survives new runs (it is a record for people; rows
 carry their run's epoch), and is never re-queued: a poisoned row cannot crash-loop a restarted trainer.
 
+A trajectory can also kill the trainer outright (a segfault or an OOM kill inside the update): no
+exception to catch. So the trainer marks the batch it trains *in flight* (``set_in_flight``, committed
+before the update starts, cleared after it returns). A restarted trainer that finds a batch still in
+flight (``take_in_flight``) adds one to each of its rows' deaths in the ``suspect`` table; the trainer
+then trains suspects apart from other rows, halving the set each time the process dies with them in
+flight, and a row that was in flight alone when the trainer died is quarantined (nodes/trainer/core.py).
+
 Rows are the trajectory encoded by the project's codec (a msgpack list of its frames), decoded with
 the same checks as anything off the wire: no pickle.
 
@@ -31,6 +38,7 @@ Run: used by nodes/trainer/ (core.py, wiring.py); tests/test_spool.py.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 import time
@@ -52,7 +60,10 @@ CREATE TABLE IF NOT EXISTS spool (seq INTEGER PRIMARY KEY AUTOINCREMENT, traj_id
                                   frames BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS dead (traj_id TEXT PRIMARY KEY, epoch TEXT NOT NULL, source TEXT NOT NULL,
                                  reason TEXT NOT NULL, at REAL NOT NULL, frames BLOB);
+CREATE TABLE IF NOT EXISTS suspect (traj_id TEXT PRIMARY KEY, deaths INTEGER NOT NULL);
 """
+IN_FLIGHT = "in_flight"
+"""The meta key of the batch being trained: a JSON list of its ids, present only while an update runs."""
 
 
 def pack(traj: Trajectory, encoder: Encoder) -> bytes:
@@ -107,6 +118,7 @@ class Spool:
         self.db.execute("BEGIN IMMEDIATE")
         self.db.execute("DELETE FROM spool")
         self.db.execute("DELETE FROM meta")
+        self.db.execute("DELETE FROM suspect")
         self.db.executemany("INSERT INTO meta VALUES (?, ?)", [(k, str(v)) for k, v in meta.items()])
         self.db.execute("COMMIT")
 
@@ -176,11 +188,50 @@ class Spool:
         self.db.execute("BEGIN IMMEDIATE")
         self.db.executemany("INSERT OR REPLACE INTO dead VALUES (?, ?, ?, ?, ?, ?)", rows)
         self.db.executemany("DELETE FROM spool WHERE traj_id = ?", [(t.traj_id,) for t in trajs])
+        self.db.executemany("DELETE FROM suspect WHERE traj_id = ?", [(t.traj_id,) for t in trajs])
         self.db.execute("COMMIT")
         for t in trajs:
             self._staged.pop(t.traj_id, None)
         if not self._staged:
             self._staged_at = None
+
+    # -- what kills the trainer ---------------------------------------------------------------
+    def set_in_flight(self, traj_ids) -> None:
+        """The update of these rows starts now (committed before it does: a process that dies inside it
+        leaves the mark for its successor)."""
+        self.set_meta(**{IN_FLIGHT: json.dumps(list(traj_ids))})
+
+    def clear_in_flight(self, cleared=()) -> None:
+        """The update returned (trained, or raised and quarantined): no batch is in flight, and rows of
+        ``cleared`` are suspects no more. One transaction."""
+        self.db.execute("BEGIN IMMEDIATE")
+        self.db.execute("DELETE FROM meta WHERE key = ?", (IN_FLIGHT,))
+        self.db.executemany("DELETE FROM suspect WHERE traj_id = ?", [(t,) for t in cleared])
+        self.db.execute("COMMIT")
+
+    def take_in_flight(self) -> list[str]:
+        """At recovery: the ids of the batch the previous process had in flight when it died (none if it
+        died between updates), each now counted one more death in ``suspects``. One transaction."""
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (IN_FLIGHT,)).fetchone()
+        if row is None:
+            return []
+        ids = [str(t) for t in json.loads(row[0])]
+        self.db.execute("BEGIN IMMEDIATE")
+        self.db.executemany("INSERT INTO suspect VALUES (?, 1) ON CONFLICT(traj_id) DO UPDATE SET deaths = deaths + 1",
+                            [(t,) for t in ids])
+        self.db.execute("DELETE FROM meta WHERE key = ?", (IN_FLIGHT,))
+        self.db.execute("COMMIT")
+        return ids
+
+    def suspects(self) -> dict[str, int]:
+        """{traj_id: deaths}: rows that were in flight when a trainer process died, not yet cleared."""
+        return dict(self.db.execute("SELECT traj_id, deaths FROM suspect"))
+
+    def acquit(self, traj_ids) -> None:
+        """These rows are suspects no more (the row that killed the trainer was found)."""
+        self.db.execute("BEGIN IMMEDIATE")
+        self.db.executemany("DELETE FROM suspect WHERE traj_id = ?", [(t,) for t in traj_ids])
+        self.db.execute("COMMIT")
 
     def dead_letters(self, epoch: str | None = None) -> list[dict]:
         """The dead letters (of run ``epoch``, or all), oldest first: traj_id, epoch, source, reason, at."""

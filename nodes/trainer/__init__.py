@@ -35,8 +35,10 @@ from areal_bus.constants import HEARTBEAT_INTERVAL_S
 from areal_bus.engines.train_engine import build_train_engine
 from areal_bus.node import NodeShell
 from areal_bus.run import RESUME_ENV
+from areal_bus.runend import outcome_path, write_outcome
 from areal_bus.spool import Spool
-from nodes.trainer.core import TrainerCore, TrainQueue
+from areal_bus.trajectory_check import reason_code
+from nodes.trainer.core import QUARANTINE_CODES, TrainerCore, TrainQueue
 from nodes.trainer.recovery import Start, UnfinishedRun, plan_start, resume_state, supervisor_instance, write_run_state
 from nodes.trainer.wiring import TrainerIO
 
@@ -84,9 +86,29 @@ def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
         if core.done:
             io.apply(core.finish())
             io.apply(core.finished(time.monotonic()))
+            _record_outcome(core)
     finally:
         io.close()
     return 0
+
+
+def _record_outcome(core: TrainerCore) -> None:
+    """The run's data counts in log_dir/run_outcome.json (``trainer``: beside what ``areal-bus run`` and
+    the run-end listener write), so a run that refused or quarantined rows says so where its end is.
+    From the spool's dead letters of this run (every incarnation's), else this process's counters."""
+    path = outcome_path()
+    if path is None or not path.parent.is_dir():
+        return
+    counters = core.metrics.counters
+    if core.spool is not None:
+        reasons = [reason_code(d["reason"]) for d in core.spool.dead_letters(core.epoch)]
+        quarantined = sum(r in QUARANTINE_CODES for r in reasons)
+        rejected = len(reasons) - quarantined
+    else:
+        quarantined = int(counters.get("quarantined", 0))
+        rejected = int(sum(v for k, v in counters.items() if k.startswith("rejected."))) - quarantined
+    write_outcome(path, trainer={"trained": core.trained, "steps": core.version, "stale_dropped": core.queue.stale,
+                                 "duplicates": core.queue.duplicates, "rejected": rejected, "quarantined": quarantined})
 
 
 def _finished_already(shell: NodeShell, start: Start, spool: Spool) -> int:

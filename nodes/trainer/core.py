@@ -25,6 +25,18 @@ and a bad one is *rejected*: moved to the spool's dead letters, counted in its s
 dead letters its checkpoint does not cover), recorded in the ledger and acknowledged ``rejected``.
 An update that raises is handled the same way for its whole batch (``on_train_failed``): one failed
 try, then quarantine, never a replay into a crash loop.
+
+An update can also kill the process (a segfault or an OOM kill in the engine): nothing raises. So each
+batch is marked in flight in the spool before its update starts (``next_job``) and cleared when it
+returns. A recovering trainer that finds a batch in flight holds its rows apart as *suspects*, each
+with the number of times a trainer died with it in flight (``begin``), and trains them before anything
+else in probes of their own: the suspects that died most often, half of them at a time (after a half
+that trained, the other half whole). A probe that trains clears its rows; a process that dies again
+narrows the set; a row that was in flight alone when the process died is the one that kills it: it is
+quarantined (dead letters, ``rejected`` acknowledgement, its admission slot back, ``quarantined`` in
+the metrics) and the other suspects go back to the queue. A batch of n rows with one such row costs
+1 + log2(n) or so restarts, never a loop; a trainer killed from outside mid-update (kill -9) costs two
+smaller updates and loses nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +54,10 @@ from areal_bus.spool import Spool
 from areal_bus.trajectory_check import check_trajectory, reason_code
 from areal_bus.version import PolicyVersion
 from nodes.trainer.recovery import Start
+
+
+QUARANTINE_CODES = frozenset({"train_failed", "killed_trainer"})
+"""Dead-letter reasons of rows accepted, then found unfit in training (the others were refused on arrival)."""
 
 
 class TrainQueue:
@@ -115,6 +131,7 @@ class Job:
     staleness: dict = field(default_factory=dict)  # train: {staleness: samples} of the batch
     state: dict = field(default_factory=dict)  # save: the run state the checkpoint gets (write_run_state)
     covers: list = field(default_factory=list)  # save: spool rows it covers, pruned once the next one is sealed
+    probe: str = ""  # train: "" a batch; "half" or "whole" of the suspects that died most often (TrainerCore.begin)
 
 
 @dataclass
@@ -176,6 +193,10 @@ class TrainerCore:
         meta = spool.meta() if spool is not None and start.recovering else {}
         self.newest = max(start.version, int(meta.get("newest", 0) or 0))
         self.ready: m.WeightsReady | None = None  # the newest export, kept for a broadcaster that restarts
+        # Rows that were in flight when a trainer process died: id -> (trajectory, deaths), trained
+        # apart from the queue (next_job's probes) until they train or one is found to kill the trainer.
+        self.suspects: dict[str, tuple[m.Trajectory, int]] = {}
+        self.probe_whole = False  # the last probe, half of the top suspects, trained: the other half goes whole
         self.idle_since = now
         self.last_state = float("-inf")
         self.window = {"t": now, "samples": 0, "tokens": 0}
@@ -190,7 +211,8 @@ class TrainerCore:
 
     def room(self) -> int:
         """How many more trajectories to take in now (staged spool rows count: they are on their way)."""
-        return self.queue.capacity - len(self.queue.buffer) - (self.spool.staged if self.spool is not None else 0)
+        return self.queue.capacity - len(self.queue.buffer) - len(self.suspects) \
+            - (self.spool.staged if self.spool is not None else 0)
 
     # -- start ----------------------------------------------------------------------------------
     def begin(self) -> Out:
@@ -215,13 +237,28 @@ class TrainerCore:
         backlog, bad = self.spool.load(skip=covered)
         if bad:
             out.add(self._lost(bad))
+        crashed = self.spool.take_in_flight()  # the batch the dead process was training, if any
+        deaths = self.spool.suspects()
         for traj in backlog:
-            self.queue.offer(traj)
+            if traj.traj_id in deaths:
+                self.queue.remember(traj.traj_id)  # a resend is a duplicate, as for any accepted row
+                self.suspects[traj.traj_id] = (traj, deaths[traj.traj_id])
+            else:
+                self.queue.offer(traj)
+        if gone := [tid for tid in deaths if tid not in self.suspects]:  # trained into a checkpoint since
+            self.spool.acquit(gone)
+        if crashed:
+            self.metrics.inc("train_deaths")
+            out.logs.append(("error", "died_in_update", {
+                "samples": len(crashed), "ids": ",".join(crashed[:5]), "suspects": len(self.suspects),
+                "next": "trained apart, halving; a row in flight alone when the trainer dies is quarantined"}))
         # Rejected after the checkpoint: their stale count (the slot given back) went with the process.
         dead = [d for d in self.spool.dead_letters(self.epoch) if d["traj_id"] not in covered]
         for d in dead:
             self.queue.remember(d["traj_id"])
             self._count(d["traj_id"], d["source"], 1)
+        if len(crashed) == 1 and crashed[0] in self.suspects:  # after the count above: it is one more
+            out.add(self._quarantine_killer(crashed[0]))
         # Accepted again by this incarnation: the ledger line of the one that died may not have been written.
         out.ledger.append(("accepted", {"inc": self.incarnation, "ids": [t.traj_id for t in backlog]}))
         out.logs.append(("warning", "recovered", {"epoch": self.epoch, "version": self.version,
@@ -290,15 +327,21 @@ class TrainerCore:
             return out
         stale = self.queue.drop_stale(self.version)
         if stale:
-            ids = [t.traj_id for t in stale]
-            self.metrics.inc("stale_dropped", len(stale))
-            self._consume(stale, 1)
-            out.ledger.append(("stale", {"inc": self.incarnation, "version": self.version, "ids": ids}))
-            out.publish += [self._ack(stale=ids), self.run_state(now)]
-            out.logs.append(("warning", "stale_dropped", {"count": len(stale), "version": self.version}))
-        batch = self.queue.take_batch(self.version)
+            out.add(self._drop_stale(stale, now))
+        if over := [t for t, _ in self.suspects.values() if is_over_stale(self.version, t.start_version,
+                                                                           self.queue.staleness)]:
+            for t in over:
+                del self.suspects[t.traj_id]
+            out.add(self._drop_stale(over, now))
+        probe, batch = self._probe()
+        batch = batch or self.queue.take_batch(self.version)
         if batch is None:
             return out
+        if probe:
+            out.logs.append(("warning", "suspects_probed", {"samples": len(batch), "suspects": len(self.suspects),
+                                                            "deaths": self.suspects[batch[0].traj_id][1]}))
+        if self.spool is not None:  # durable before the update starts: a process that dies in it leaves the mark
+            self.spool.set_in_flight([t.traj_id for t in batch])
         hist = collections.Counter(staleness_of(self.version, t.start_version) for t in batch)
         for s, c in hist.items():
             self.metrics.observe("staleness", s, c)
@@ -306,13 +349,56 @@ class TrainerCore:
         self.metrics.inc("idle_seconds", wait)
         every = self.topo.trainer_engine.eval_interval
         out.job = Job("train", self.version, now, batch=batch, evaluate=every > 0 and (self.version + 1) % every == 0,
-                      wait_s=wait, staleness={str(k): c for k, c in sorted(hist.items())})
+                      wait_s=wait, staleness={str(k): c for k, c in sorted(hist.items())}, probe=probe)
+        return out
+
+    def _probe(self) -> tuple[str, list[m.Trajectory] | None]:
+        """The next probe of the suspects, if any: those that died most often (the narrowest set known to
+        have been in flight when a trainer died), half of them, or all once a half has trained."""
+        if not self.suspects:
+            return "", None
+        top = max(n for _, n in self.suspects.values())
+        group = [t for t, n in self.suspects.values() if n == top]
+        if self.probe_whole or len(group) == 1:
+            return "whole", group
+        return "half", group[: (len(group) + 1) // 2]
+
+    def _drop_stale(self, stale: list[m.Trajectory], now: float) -> Out:
+        ids = [t.traj_id for t in stale]
+        self.metrics.inc("stale_dropped", len(stale))
+        self._consume(stale, 1)
+        return Out(ledger=[("stale", {"inc": self.incarnation, "version": self.version, "ids": ids})],
+                   publish=[self._ack(stale=ids), self.run_state(now)],
+                   logs=[("warning", "stale_dropped", {"count": len(stale), "version": self.version})])
+
+    def _settled(self, job: Job) -> None:
+        """The update of ``job`` returned: nothing is in flight, and its rows are suspects no more."""
+        if self.spool is not None:
+            self.spool.clear_in_flight([t.traj_id for t in job.batch] if job.probe else ())
+        for t in job.batch:
+            self.suspects.pop(t.traj_id, None)
+        self.probe_whole = job.probe == "half" and bool(self.suspects)
+
+    def _quarantine_killer(self, traj_id: str) -> Out:
+        """``traj_id`` was in flight alone when the trainer died: quarantined; the other suspects were in
+        flight with it, so they go back to the queue."""
+        traj, deaths = self.suspects.pop(traj_id)
+        out = self.reject([traj], f"killed_trainer: the trainer process died {deaths} times while training it, "
+                                  "the last time alone", quarantined=True)
+        released = list(self.suspects)
+        for tid, (t, _) in self.suspects.items():
+            self.queue.buffer[tid] = t  # its id is remembered already: offer would count a duplicate
+        self.suspects.clear()
+        self.spool.acquit(released)
+        out.logs.append(("error", "quarantined_killer", {"traj": traj_id, "source": traj.source, "deaths": deaths,
+                                                         "released": len(released)}))
         return out
 
     def on_trained(self, job: Job, stats: dict, now: float) -> Out:
         """An update finished: the new version is exported, its samples recorded and acknowledged as
         consumed, a checkpoint started when one is due."""
         took = now - job.started
+        self._settled(job)
         self.policy = PolicyVersion(self.policy.lineage, job.version + 1)
         if self.version > self.newest:
             self.newest = self.version
@@ -361,16 +447,18 @@ class TrainerCore:
         on with the next batch, at the same version (an update that failed in a later mini-batch has
         stepped the weights on the earlier ones: they stay, as a partial update of the same policy)."""
         self.idle_since = now
+        self._settled(job)
         self.metrics.inc("train_failures")
-        out = self.reject(job.batch, f"train_failed: {error}")
+        out = self.reject(job.batch, f"train_failed: {error}", quarantined=True)
         out.logs.append(("error", "train_failed", {"step": job.version, "samples": len(job.batch),
                                                    "error": error[:500]}))
         return out
 
-    def reject(self, trajs: list[m.Trajectory], reason: str) -> Out:
+    def reject(self, trajs: list[m.Trajectory], reason: str, quarantined: bool = False) -> Out:
         """Refuse these for good: dead letters first (durable before the acknowledgement, and never
         re-queued), their sources' stale totals (the admission slots come back), the ledger, then the
-        ``rejected`` acknowledgement (producers forget them) and the run state that carries the totals."""
+        ``rejected`` acknowledgement (producers forget them) and the run state that carries the totals.
+        ``quarantined``: accepted, then failed in training (counted as ``quarantined`` too)."""
         ids = [t.traj_id for t in trajs]
         if self.spool is not None:
             self.spool.quarantine(trajs, reason, self.epoch)
@@ -378,6 +466,8 @@ class TrainerCore:
             self.queue.remember(t.traj_id)  # a resend is a duplicate: acknowledged, never checked again
             self._count(t.traj_id, t.source, 1)
         self.metrics.inc(f"rejected.{reason_code(reason)}", len(trajs))
+        if quarantined:
+            self.metrics.inc("quarantined", len(trajs))
         return Out(ledger=[("rejected", {"inc": self.incarnation, "ids": ids, "reason": reason[:500]})],
                    publish=[self._ack(rejected=ids), self.run_state(self.last_state)],
                    logs=[("warning", "rejected", {"count": len(ids), "ids": ",".join(ids[:5]),
@@ -402,7 +492,7 @@ class TrainerCore:
         """The ledger's final word. Then ``finished``: the spool's mark, then the state that stops the
         agents, in that order (a trainer killed in between finishes again)."""
         return Out(ledger=[("finished", {"inc": self.incarnation, "version": self.version,
-                                         "unconsumed": list(self.queue.buffer)})])
+                                         "unconsumed": [*self.queue.buffer, *self.suspects]})])
 
     def finished(self, now: float) -> Out:
         if self.spool is not None:

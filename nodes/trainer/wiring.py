@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import signal
 import time
 import traceback
 
@@ -26,6 +28,11 @@ from nodes.trainer.recovery import write_run_state
 
 READERS_WARN_S = 10.0
 """Waiting this long for rollout workers to leave a weight buffer is logged (and again each period)."""
+CRASH_ON_ENV = "AREAL_BUS_TEST_CRASH_ON"
+"""Test-only fault: set to an id prefix, and an update whose batch holds a trajectory with that prefix
+kills the trainer process with SIGSEGV, as a crash in a native kernel would (no exception, no cleanup).
+No input of the project's models does that on CPU; tests/test_quarantine_system.py and bench/faults.py
+set it to show such a trajectory quarantined. Unset (always, outside those), it costs one lookup."""
 
 
 class TrainFailed(Exception):
@@ -149,6 +156,8 @@ class TrainerIO:
             self.engine.save_checkpoint(folder, job.version, job.state["consumed"])
             write_run_state(folder, job.state)
             return {}
+        if (marker := os.environ.get(CRASH_ON_ENV)) and any(t.traj_id.startswith(marker) for t in job.batch):
+            os.kill(os.getpid(), signal.SIGSEGV)
         try:
             stats = self.engine.train(job.batch, job.version)
         except Exception as exc:  # noqa: BLE001 -- any error of the update is the batch's: see finished_job
