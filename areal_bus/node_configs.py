@@ -77,6 +77,14 @@ class GatewayConfig(_Strict):
                                     "previous reply, kept alive) close the connection.")
     body_timeout_s: float = Field(HTTP_BODY_TIMEOUT_S, gt=0, le=3600, description="A request body not "
                                   "complete this long after its headers is a 408, and the connection closes.")
+    tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto", description="How the policy's tool calls are written and parsed (nodes/gateway/parsers.py): "
+        "hermes (Qwen2.5/Qwen3 <tool_call> blocks), llama3_json (Llama 3.x {\"name\", \"parameters\"} JSON), "
+        "mistral ([TOOL_CALLS] [...]). auto: read from the chat template (hermes when it names none).")
+    reasoning_parser: Literal["auto", "think", "none"] = Field(
+        "auto", description="think: the reply's <think>...</think> text is reasoning (OpenAI reasoning_content, "
+        "Anthropic thinking blocks), the rest content; none: all of it is content. auto: think when the chat "
+        "template mentions <think>.")
 
     @field_validator("admin_token", mode="before")
     @classmethod

@@ -179,12 +179,29 @@ def test_disable_parallel_tool_use_turns_off_parallel_tool_calls():
     assert out["parallel_tool_calls"] is False
 
 
-def test_sampling_fields_translate_and_top_k_is_dropped():
-    out = to_openai_request(request(temperature=0.5, top_p=0.9, top_k=40, stop_sequences=["\n\nHuman:"],
+def test_sampling_fields_translate():
+    out = to_openai_request(request(temperature=0.5, top_p=0.9, stop_sequences=["\n\nHuman:"],
                                     metadata={"user_id": "session-7"}))
     assert out["temperature"] == 0.5 and out["top_p"] == 0.9
     assert out["stop"] == ["\n\nHuman:"] and out["user"] == "session-7"
-    assert "top_k" not in out
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"top_k": 40}, "top_k"),
+    ({"output_config": {"effort": "high", "format": {"type": "json_schema", "schema": {}}}}, "output_config.format"),
+    ({"mcp_servers": []}, "mcp_servers"),
+    ({"some_future_field": 1}, "some_future_field"),
+])
+def test_fields_the_gateway_cannot_honour_are_refused_naming_them(extra, field):
+    with pytest.raises(AnthropicError) as caught:
+        to_openai_request(request(**extra))
+    assert caught.value.status == 400 and caught.value.message.startswith(f"{field}: not supported")
+
+
+def test_system_entries_inside_messages_join_the_system_prompt_in_order():
+    out = to_openai_request(request(system="top", messages=[
+        {"role": "user", "content": "q"}, {"role": "system", "content": [{"type": "text", "text": "mid"}]}]))
+    assert out["messages"] == [{"role": "system", "content": "top\nmid"}, {"role": "user", "content": "q"}]
 
 
 def test_claude_code_extras_are_accepted_and_dropped():
@@ -211,7 +228,9 @@ def test_claude_code_extras_are_accepted_and_dropped():
     (request(max_tokens="5"), "max_tokens: Input should be a valid integer"),
     (request(max_tokens=0), "max_tokens: Input should be greater than or equal to 1"),
     (request(messages=[]), "messages: List should have at least 1 item"),
-    (request(messages=[{"role": "system", "content": "x"}]), "messages.0.role"),
+    (request(messages=[{"role": "tool", "content": "x"}]), "messages.0.role"),
+    (request(context_management={"edits": [{"type": "clear_tool_uses_20250919"}]}),
+     "context_management.edits.0.type"),
     (request(messages=[{"role": "user", "content": 5}]), "messages.0.content: must be a string or a list"),
     (request(messages=[{"role": "user", "content": [{"text": "x"}]}]), "messages.0.content.0: needs a 'type'"),
     (request(messages=[{"role": "user", "content": [{"type": "audio"}]}]),

@@ -176,7 +176,10 @@ _Block = Annotated[
 
 
 class Message(_Shape):
-    role: Literal["user", "assistant"] = Field(description="Who spoke this turn.")
+    role: Literal["user", "assistant", "system"] = Field(description="Who spoke this turn. Claude Code 2.x "
+                                                         "sends system entries mid-conversation (its "
+                                                         "mid-conversation-system beta): folded into the "
+                                                         "system prompt, in order.")
     content: list[_Block] = Field(description="A string, or a list of content blocks.")
 
     @field_validator("content", mode="before")
@@ -221,6 +224,31 @@ class Metadata(_Shape):
     user_id: Optional[str] = Field(None, description="Opaque end-user id; passed on as OpenAI's `user`.")
 
 
+class Thinking(_Shape):
+    type: Literal["enabled", "adaptive", "disabled"] = Field(
+        description="enabled / adaptive: the policy's reasoning (a <think> block, for a family that writes "
+        "one) comes back as thinking blocks; disabled: it is left out of the reply (still recorded).")
+    budget_tokens: Optional[StrictInt] = Field(None, ge=1, description="Accepted, not enforced: the policy's "
+                                               "reasoning is bounded only by max_tokens.")
+
+
+class ContextEdit(_Shape):
+    type: Literal["clear_thinking_20251015"] = Field(
+        description="The only edit honoured, with keep 'all' (Claude Code's): keep every thinking block, "
+        "which is what a recorded session does anyway. Other edits would rewrite the context the gateway "
+        "continues from, so they are refused.")
+    keep: Literal["all"] = Field(description="Only 'all'.")
+
+
+class ContextManagement(_Shape):
+    edits: list[ContextEdit] = Field(default_factory=list, description="Server-side context edits.")
+
+
+class OutputConfig(_Shape):
+    effort: Optional[Literal["low", "medium", "high", "max"]] = Field(
+        None, description="Accepted, no effect: the policy has no effort control (Claude Code always sends it).")
+
+
 class MessagesRequest(_Shape):
     """POST /v1/messages. Top-level fields not named here (thinking, context_management, ...) are dropped."""
 
@@ -232,10 +260,14 @@ class MessagesRequest(_Shape):
     tool_choice: Optional[_ToolChoice] = Field(None, description="How the model must use the tools.")
     temperature: Optional[float] = Field(None, ge=0.0, le=1.0, description="Sampling temperature, 0 to 1.")
     top_p: Optional[float] = Field(None, ge=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: Optional[StrictInt] = Field(None, ge=0, description="Accepted and dropped: not an OpenAI parameter.")
+    top_k: Optional[StrictInt] = Field(None, ge=0, description="Refused: the policy's engines have no top-k.")
     stop_sequences: Optional[list[str]] = Field(None, description="Strings that end the reply.")
     stream: StrictBool = Field(False, description="Reply as server-sent events; read by the caller, not here.")
     metadata: Optional[Metadata] = Field(None, description="Request metadata; only user_id is used.")
+    thinking: Optional[Thinking] = Field(None, description="Whether the reply shows the policy's reasoning.")
+    context_management: Optional[ContextManagement] = Field(None, description="Context edits (keep-all only).")
+    output_config: Optional[OutputConfig] = Field(None, description="effort only; a 'format' is refused.")
+    service_tier: Optional[str] = Field(None, description="Accepted, no effect: there is one tier.")
 
     @field_validator("system", mode="before")
     @classmethod
@@ -243,13 +275,20 @@ class MessagesRequest(_Shape):
         return value if value is None else _as_blocks(value)
 
 
-# Why a field the client sent does not reach the policy model (logged once per field per process).
+# Why a field the client sent does not reach the policy model (logged once per field per process):
+# block kinds dropped from the history (earlier thinking), never request fields (those are refused).
 _DROPPED_WHY = {
-    "top_k": "not an OpenAI chat.completions parameter",
-    "thinking": "the policy model answers in plain text; no extended thinking",
-    "cache_control": "no prompt cache behind the gateway",
-    "context_management": "the gateway keeps no server-side context",
+    "thinking": "earlier thinking is not re-rendered: a session continues from the recorded tokens",
+    "redacted_thinking": "earlier thinking is not re-rendered: a session continues from the recorded tokens",
 }
+
+REFUSED_WHY = {
+    "top_k": "the policy's engines have no top-k sampling",
+    "container": "the gateway runs no code-execution container",
+    "mcp_servers": "the gateway connects to no MCP servers",
+    "inference_geo": "there is one place the policy runs",
+}
+"""Top-level request fields refused (a 400 naming them), and why; any field not in MessagesRequest is too."""
 _noted: set[str] = set()
 NOTED_MAX = 64
 """Distinct dropped field names noted per process: a client inventing a new name per request must not
@@ -407,16 +446,21 @@ def to_openai_request(body: dict) -> dict:
     Never sets ``stream``: the caller reads ``body["stream"]`` and streams from the finished completion.
     Raises AnthropicError(400) naming the field for anything malformed or unsupported."""
     req = _validate(body)
-    unknown = sorted(set(body) - set(MessagesRequest.model_fields))
-    _note_dropped(unknown + (["top_k"] if req.top_k is not None else []))
+    _refuse_fields(body, req)
 
     messages: list[dict] = []
-    if req.system:
-        messages.append({"role": "system", "content": _join(block.text for block in req.system)})
+    system = [block.text for block in req.system or ()]
+    for i, message in enumerate(req.messages):  # system entries inside messages join the system prompt
+        if message.role == "system":
+            system += [_system_text(message.content, f"messages.{i}")]
+    if system:
+        messages.append({"role": "system", "content": _join(system)})
     known_calls: set[str] = set()
     # Consecutive turns of one role are kept as they are (the Anthropic API accepts and merges them).
     for i, message in enumerate(req.messages):
         where = f"messages.{i}"
+        if message.role == "system":
+            continue
         if message.role == "user":
             messages.extend(_user_messages(message.content, where, known_calls))
         else:
@@ -435,6 +479,35 @@ def to_openai_request(body: dict) -> dict:
         out["tools"] = _tools(req)
     _tool_choice(req, out)
     return out
+
+
+def _refuse_fields(body: dict, req: MessagesRequest) -> None:
+    unknown = sorted(set(body) - set(MessagesRequest.model_fields))
+    if req.top_k is not None:
+        unknown.insert(0, "top_k")
+    if isinstance(body.get("output_config"), dict):
+        unknown += [f"output_config.{k}" for k in sorted(body["output_config"]) if k != "effort"]
+    for name in unknown:
+        why = REFUSED_WHY.get(name) or ("structured output needs guided decoding, which the policy's engines here "
+                                        "do not have" if name == "output_config.format" else
+                                        "the gateway does not act on this field, so it refuses it rather than "
+                                        "ignore it")
+        raise AnthropicError(400, f"{name}: not supported by this gateway: {why}", "unsupported_parameter")
+
+
+def shows_thinking(body: dict) -> bool:
+    """Whether the reply carries thinking blocks: unless the request disabled thinking."""
+    thinking = body.get("thinking") if isinstance(body, dict) else None
+    return not (isinstance(thinking, dict) and thinking.get("type") == "disabled")
+
+
+def _system_text(blocks: list, where: str) -> str:
+    texts = []
+    for j, block in enumerate(blocks):
+        if not isinstance(block, TextBlock):
+            raise AnthropicError(400, f"{where}.content.{j}: a system entry holds text only (got {block.type})")
+        texts.append(block.text)
+    return _join(texts)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -42,16 +42,19 @@ class AnthropicRoutes:
                 resp = await self.routed(model, oa, t0)
             else:
                 live = LiveStream(model, anthropic=True) if body.get("stream") else None
+                if live is not None:
+                    live.events.thinking = anthropic_api.shows_thinking(body)
                 resp, _ = await self.complete(parse_chat_request(oa), who, t0, live, request)
                 if live is not None:
                     return live.stream
         except OpenAIError as err:
             hint = " (Claude Code: set ANTHROPIC_MODEL to it)" if err.code == "model_not_found" else ""
             raise anthropic_api.AnthropicError(err.status, err.message + hint, _reason(err), err.headers) from None
+        thinking = anthropic_api.shows_thinking(body)
         if body.get("stream"):
-            events = anthropic_reply.stream_events(resp, model)
+            events = anthropic_reply.stream_events(resp, model, thinking)
             return await sse_reply(request, b"".join(anthropic_reply.format_sse(e, d) for e, d in events))
-        return json_response(anthropic_reply.from_openai_response(resp, model))
+        return json_response(anthropic_reply.from_openai_response(resp, model, thinking))
 
     async def anthropic_count_tokens(self, request: web.Request) -> web.Response:
         try:

@@ -9,9 +9,14 @@
   messages and the next assistant header. Found as ``areal_bus.tasks.guess.render_env_turn`` does:
   render ``[assistant "\\x00", *new_messages]`` and take the text after the marker's eos. The
   session's next prompt is then ``recorded ids + these``, never a re-tokenisation of sampled text.
+  The render starts with a stand-in user turn before the marker, so templates that insist on
+  user/assistant alternation (Mistral) or that put tools in the first user turn (Llama 3.1) render
+  the continuation as they would mid-conversation.
 - ``parse_tool_calls(text)``: Qwen-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-  blocks in the model's output -> OpenAI ``tool_calls``.
-- ``apply_stop(ids, stops)``: where string stops cut a completion, in text and in sampled ids.
+  blocks in the model's output -> OpenAI ``tool_calls`` (other families' formats: ``parsers``).
+- ``stop_cut(ids, stops, prefix)`` (``apply_stop``): where string stops cut a completion, in text and in sampled ids.
+- ``keep_special(tokens)``: special tokens that decoding keeps (a format's markers, ``[TOOL_CALLS]``),
+  where every other special token is skipped.
 
 Tools with a template that ignores them (the shipped tiny model's ChatML template renders only role
 and content): the tool definitions are written into the system message in Qwen2.5's layout (a
@@ -25,11 +30,11 @@ from __future__ import annotations
 
 import collections
 import json
-import re
-import secrets
 
 import numpy as np
 from jinja2 import TemplateError
+
+from nodes.gateway.parsers import SPECIAL, TOOL_FORMATS
 
 try:  # optional: faster keys for the render cache (json's otherwise; either is exact)
     import orjson
@@ -51,7 +56,11 @@ TOOLS_SYSTEM_TEXT = (
 """System text describing tools for a template that ignores ``tools=`` (Qwen2.5's layout)."""
 
 TOOL_OPEN = "<tool_call>"
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+_PROBE_CALL_ID = "a1b2c3d4e"
+"""A tool-call id every template accepts (Mistral's insists on 9 alphanumerics)."""
+
+_HELLO = {"role": "user", "content": "hi"}
 
 
 class ChatError(ValueError):
@@ -100,26 +109,10 @@ def tool_call_block(name: str, arguments) -> str:
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """Split model output into (content, OpenAI tool_calls). All or nothing: if any block is not a
-    JSON object with a "name", the output is returned as plain content with no tool calls, so a
-    garbled call reaches the client (and the reward) as the text the model wrote."""
-    blocks = list(_TOOL_CALL.finditer(text))
-    if not blocks:
-        return text, []
-    calls = []
-    for block in blocks:
-        try:
-            obj = json.loads(block.group(1))
-        except ValueError:
-            return text, []
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return text, []
-        args = obj.get("arguments", obj.get("parameters", {}))
-        calls.append({"id": f"call_{secrets.token_hex(12)}", "type": "function",
-                      "function": {"name": obj["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
-    rest = _TOOL_CALL.sub("", text).strip()
-    return rest or None, calls
+    """Split model output into (content, OpenAI tool_calls), Hermes/Qwen blocks. All or nothing: if
+    any block is not a JSON object with a "name", the output is returned as plain content with no tool
+    calls, so a garbled call reaches the client (and the reward) as the text the model wrote."""
+    return TOOL_FORMATS["hermes"].parse(text)
 
 
 RENDER_CACHE_SIZE = 4096
@@ -148,10 +141,15 @@ class ChatRenderer:
             raise ValueError("the tokenizer has no eos token; the gateway needs it to close assistant turns")
         self.eos = tokenizer.eos_token
         self.eos_id = int(tokenizer.eos_token_id)
-        hello = [{"role": "user", "content": "hi"}]
+        hello = [_HELLO]
+        self._skip_ids: frozenset[int] | None = None  # keep_special: the special ids decoding skips
+        self.keep_special(SPECIAL)
+        template = getattr(tokenizer, "chat_template", None)
+        self.template = template if isinstance(template, str) else json.dumps(template or "")
+        self.generation_prompt = self._render(hello, None)
         self.template_tools = "areal_probe_fn" in self._render(hello, [_PROBE_TOOL])
         self.template_tool_calls = self._renders_tool_calls()
-        after = self._render([{"role": "assistant", "content": MARKER}, *hello], None).split(MARKER, 1)[1]
+        after = self._render([_HELLO, {"role": "assistant", "content": MARKER}, *hello], None).split(MARKER, 1)[1]
         if not after.startswith(self.eos):
             raise ValueError("the chat template does not end an assistant turn with the eos token "
                              f"({self.eos!r}); the gateway cannot continue sessions without re-tokenising")
@@ -165,7 +163,7 @@ class ChatRenderer:
 
     def _renders_tool_calls(self) -> bool:
         call = {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "areal_probe_fn", "arguments": {}}}]}
+            {"id": _PROBE_CALL_ID, "type": "function", "function": {"name": "areal_probe_fn", "arguments": {}}}]}
         try:
             return "areal_probe_fn" in self._render([{"role": "user", "content": "hi"}, call], [_PROBE_TOOL])
         except (ChatError, TypeError):
@@ -184,8 +182,9 @@ class ChatRenderer:
                 calls = msg["tool_calls"]
                 if self.template_tool_calls:
                     out.append({"role": "assistant", "content": text, "tool_calls": [
-                        {"type": "function", "function": {"name": c["function"]["name"],
-                                                          "arguments": _args_object(c["function"].get("arguments"))}}
+                        {**({"id": c["id"]} if c.get("id") else {}), "type": "function",
+                         "function": {"name": c["function"]["name"],
+                                      "arguments": _args_object(c["function"].get("arguments"))}}
                         for c in calls]})
                 else:
                     blocks = "\n".join(tool_call_block(c["function"]["name"], c["function"].get("arguments", {}))
@@ -216,8 +215,23 @@ class ChatRenderer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
 
+    def keep_special(self, tokens) -> None:
+        """Decode these special tokens as their text (a tool-call format's markers); every other
+        special token is still skipped."""
+        vocab = self.tok.get_vocab()
+        keep = {vocab[t] for t in tokens if t in vocab}
+        if not keep:
+            return
+        special = {int(i) for i, t in getattr(self.tok, "added_tokens_decoder", {}).items() if t.special}
+        self._skip_ids = frozenset((special | set(self.tok.all_special_ids)) - keep)
+
     def decode(self, ids) -> str:
         ids = ids.tolist() if isinstance(ids, np.ndarray) else [int(t) for t in ids]
+        if self._skip_ids is not None:
+            ids = [t for t in ids if t not in self._skip_ids]
+            if self._fast_decode is not None:
+                return self._fast_decode(ids, skip_special_tokens=False)
+            return self.tok.decode(ids, skip_special_tokens=False)
         if self._fast_decode is not None:
             return self._fast_decode(ids, skip_special_tokens=True)
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -237,7 +251,7 @@ class ChatRenderer:
         return ids if closed else [self.eos_id, *ids]
 
     def _continuation_ids(self, new_messages, tools) -> tuple[int, ...]:
-        convo = [{"role": "assistant", "content": MARKER}, *self.template_messages(new_messages, None)]
+        convo = [_HELLO, {"role": "assistant", "content": MARKER}, *self.template_messages(new_messages, None)]
         text = self._render(convo, self._template_tools(tools))
         after = text[text.index(MARKER) + 1:]
         return tuple(self.encode(after[len(self.eos):]))
@@ -265,21 +279,39 @@ class ChatRenderer:
         return hit
 
     def apply_stop(self, ids, stops: list[str]) -> tuple[int, str, bool]:
-        """(ids to keep, text for the client, stopped) for a completion and string stops. The text
-        ends before the earliest stop string (as OpenAI's does); the ids run through the token that
-        completed it, so the record holds exactly what was sampled up to the cut."""
-        text = self.decode(ids)
-        hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+        """(ids to keep, text for the client, stopped): ``stop_cut`` without a prefix or the match."""
+        return self.stop_cut(ids, stops)[:3]
+
+    def stop_cut(self, ids, stops: list[str], prefix=()) -> tuple[int, str, bool, str | None]:
+        """(ids to keep, text for the client, stopped, the stop string matched) for a completion and
+        string stops. ``prefix``: ids given before the sampled ones (a forced tool-call opening), part
+        of the text but never searched for stops. The text ends before the earliest stop string (as
+        OpenAI's does); the ids run through the token that completed it, so the record holds exactly
+        what was sampled up to the cut."""
+        prefix = [int(t) for t in prefix]
+        ids_list = [int(t) for t in ids]
+        text = self.decode(prefix + ids_list)
+        start = len(self.decode(prefix)) if prefix else 0
+        hits = sorted((i, s) for i, s in ((text.find(s, start), s) for s in stops if s) if i >= 0)
         if not hits:
-            return len(ids), text, False
-        lo, hi = 1, len(ids)  # the smallest prefix whose text already holds a stop string
+            return len(ids), text, False, None
+        at, matched = hits[0]
+        return self.first_holding(ids_list, lambda t: any(s and s in t[start:] for s in stops), prefix), \
+            text[:at], True, matched
+
+    def first_holding(self, ids, holds, prefix=()) -> int:
+        """The fewest of ``ids`` whose text (after ``prefix``) ``holds(text)`` is true of (len(ids) if
+        only all of them do): where a completion is cut so the record ends at the token that made it so."""
+        prefix = [int(t) for t in prefix]
+        ids = [int(t) for t in ids]
+        lo, hi = 1, len(ids)
         while lo < hi:
             mid = (lo + hi) // 2
-            if any(s and s in self.decode(ids[:mid]) for s in stops):
+            if holds(self.decode(prefix + ids[:mid])):
                 hi = mid
             else:
                 lo = mid + 1
-        return lo, text[:min(hits)], True
+        return lo
 
     def stop_token_ids(self, stops: list[str]) -> list[int]:
         """String stops that are exactly one token: the engine can stop on them by id."""

@@ -132,6 +132,12 @@ class LiveStream:
             await self._write(_events(self.events.text(delta)) if self.anthropic
                               else _chunks(self.chunks.text(index, delta)))
 
+    async def reasoning(self, index: int, delta: str) -> None:
+        """A reasoning delta (OpenAI ``reasoning_content``, an Anthropic thinking block; feed.ReplyFeed)."""
+        if not self.gone and delta:
+            await self._write(_events(self.events.thought(delta)) if self.anthropic
+                              else _chunks(self.chunks.reasoning(index, delta)))
+
     async def finish(self, resp: dict, rest: list[list[str]]) -> None:
         """The rest of every choice's text (``rest[i]``, in pieces), tool calls, finish, usage, the end."""
         await self._write(_events(self.events.closing(resp, rest[0])) if self.anthropic

@@ -1,10 +1,13 @@
 """OpenAI's chat completions API as the gateway speaks it: request schema, error shape, responses.
 
-Requests are validated strictly on the fields we use (a string where a number belongs is a 400 naming
-the field, as OpenAI's own API does) and leniently on the rest: fields this gateway does not act on
-(``seed``, ``user``, ``presence_penalty``, ``response_format``, ...) are accepted and ignored, so SDKs
-and agent frameworks that always send them keep working. Every client error is an ``OpenAIError``,
-rendered as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
+Requests are validated strictly (a string where a number belongs is a 400 naming the field, as
+OpenAI's own API does), and every field is either acted on or refused (``unsupported``): a field that
+would change the reply and that the policy's engines cannot honour (``seed``, ``response_format``
+json_object / json_schema, ``top_logprobs`` > 0, penalties, ``logit_bias``, ...) is a 400 naming it, as is
+a field the gateway does not know; only bookkeeping fields with no effect on the reply (``user``,
+``metadata``, ``store``, ...: ``BOOKKEEPING``) and no-op values (``frequency_penalty: 0``,
+``response_format: {"type": "text"}``) pass. The README's field table lists each. Every client error is
+an ``OpenAIError``, rendered as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
 """
 
 from __future__ import annotations
@@ -113,12 +116,28 @@ class ChatRequest(_Lenient):
     tool_choice: str | dict | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict | None = None
 
     @model_validator(mode="after")
     def _limits(self):
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOPS:
             raise ValueError(f"at most {MAX_STOPS} stop sequences")
         return self
+
+    @property
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """(a tool call is required, the function it must call or None): from tool_choice."""
+        choice = self.tool_choice
+        if choice == "required":
+            return True, None
+        if isinstance(choice, dict):
+            return True, choice["function"]["name"]
+        return False, None
 
     @property
     def stops(self) -> list[str]:
@@ -163,9 +182,88 @@ def parse_chat_request(data) -> ChatRequest:
         raise OpenAIError(400, f"The request body must be a JSON object, got {type(data).__name__}.",
                           code="invalid_body")
     try:
-        return ChatRequest.model_validate(data)
+        req = ChatRequest.model_validate(data)
     except ValidationError as err:
         raise validation_error(err) from None
+    unsupported(req)
+    return req
+
+
+# -- fields honoured or refused (the README's field table) ---------------------------------------
+
+BOOKKEEPING = {
+    "user": "an end-user id: no effect on the reply",
+    "metadata": "the caller's tags: no effect on the reply",
+    "store": "OpenAI-side storage: every session call is recorded anyway, whatever the value",
+    "service_tier": "a billing tier: there is one",
+    "prompt_cache_key": "a routing hint for OpenAI's prompt cache: none here",
+    "safety_identifier": "an end-user id: no effect on the reply",
+}
+"""Fields accepted whatever their value: they say who asks or how to bill, never what to sample."""
+
+REFUSED = {
+    "seed": "the policy's engines sample from one shared generator per batch: a per-request seed cannot "
+            "be honoured (leave it out; temperature 0 is deterministic)",
+    "reasoning_effort": "the policy has no reasoning-effort control",
+    "functions": "the legacy functions API: send 'tools' instead",
+    "function_call": "the legacy functions API: send 'tool_choice' instead",
+    "audio": "the policy reads and writes text only",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "the gateway has no web search",
+    "verbosity": "the policy has no verbosity control",
+}
+"""Fields refused whatever their value (a 400 naming them), and why."""
+
+
+def _refuse(param: str, why: str, code: str = "unsupported_parameter") -> OpenAIError:
+    return OpenAIError(400, f"Unsupported parameter: '{param}': {why}.", param=param, code=code)
+
+
+def unsupported(req: ChatRequest) -> None:
+    """Refuse (400 naming the field) whatever this gateway would otherwise silently ignore."""
+    for name in (req.model_extra or {}):
+        if name in BOOKKEEPING:
+            continue
+        raise _refuse(name, REFUSED.get(name, "the gateway does not act on this field, so it refuses it "
+                                                "rather than ignore it"))
+    if req.seed is not None:
+        raise _refuse("seed", REFUSED["seed"])
+    fmt = req.response_format
+    if fmt is not None and fmt.get("type") != "text":
+        raise _refuse("response_format", f"type {fmt.get('type')!r} needs structured (guided) decoding, which the "
+                      "policy's engines here do not have: only {\"type\": \"text\"}", code="unsupported_value")
+    if req.top_logprobs:
+        raise _refuse("top_logprobs", "the policy backend returns only each sampled token's log-probability, "
+                      "not the distribution: only 0 (logprobs: true gives the sampled tokens')",
+                      code="unsupported_value")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name):
+            raise _refuse(name, "the policy's engines apply no penalties: only 0", code="unsupported_value")
+    if req.logit_bias:
+        raise _refuse("logit_bias", "the policy's engines apply no logit bias: only {}", code="unsupported_value")
+    _check_tool_choice(req)
+
+
+def _check_tool_choice(req: ChatRequest) -> None:
+    choice, names = req.tool_choice, [t.function.name for t in req.tools or []]
+    if choice is None or choice in ("auto", "none"):
+        return
+    if choice == "required" or isinstance(choice, dict):
+        if not names:
+            raise OpenAIError(400, "Invalid value for 'tool_choice': it asks for a tool call, but the request "
+                              "has no 'tools'.", param="tool_choice", code="invalid_value")
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if not isinstance(name, str):
+                raise OpenAIError(400, "Invalid value for 'tool_choice': an object must be {\"type\": \"function\", "
+                                  "\"function\": {\"name\": ...}}.", param="tool_choice", code="invalid_value")
+            if name not in names:
+                raise OpenAIError(400, f"Invalid value for 'tool_choice': function '{name}' is not one of the "
+                                  f"request's tools ({', '.join(names)}).", param="tool_choice.function.name",
+                                  code="invalid_value")
+        return
+    raise OpenAIError(400, f"Invalid value for 'tool_choice': {json.dumps(choice)} (expected 'none', 'auto', "
+                      "'required' or a named function).", param="tool_choice", code="invalid_value")
 
 
 def reward_fields(body, session_id: str) -> tuple[float, int | None, float | None]:
@@ -235,7 +333,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def token_logprobs(tokenizer, ids, logprobs) -> dict:
-    """OpenAI's ``logprobs`` object for sampled tokens (no alternatives: top_logprobs are empty)."""
+    """OpenAI's ``logprobs`` object for sampled tokens (no alternatives: ``top_logprobs`` > 0 is refused)."""
     out = []
     for t, lp in zip(ids, logprobs):
         text = tokenizer.decode([int(t)])
@@ -274,6 +372,10 @@ class StreamChunks:
     def text(self, index: int, delta: str) -> list[dict]:
         return [self.chunk(index, {"content": delta})]
 
+    def reasoning(self, index: int, delta: str) -> list[dict]:
+        """A reasoning delta, as vLLM and DeepSeek stream it: ``delta.reasoning_content``."""
+        return [self.chunk(index, {"reasoning_content": delta})]
+
     def closing(self, resp: dict, rest: list[list[str]], include_usage: bool) -> list[dict]:
         """``rest[i]``: choice i's content not yet sent, in pieces (the whole content, when nothing was)."""
         out = []
@@ -292,7 +394,10 @@ def stream_chunks(resp: dict, include_usage: bool = False) -> list[dict]:
     """A whole chat.completion as OpenAI's stream of chunks (a reply routed to another model)."""
     chunks = StreamChunks(resp["id"], resp["model"], resp["created"])
     rest = [[c["message"].get("content") or ""] for c in resp["choices"]]
-    return [*chunks.opening(len(resp["choices"])), *chunks.closing(resp, rest, include_usage)]
+    thoughts = [chunks.reasoning(i, c["message"]["reasoning_content"]) for i, c in enumerate(resp["choices"])
+                if c["message"].get("reasoning_content")]
+    return [*chunks.opening(len(resp["choices"])), *(c for t in thoughts for c in t),
+            *chunks.closing(resp, rest, include_usage)]
 
 
 def sse(obj) -> bytes:

@@ -6,7 +6,25 @@ served with, so the trainer sees exactly what was sampled), refuses what does no
 ``max_pending_requests``), hands the ``n`` choices to the backend, streams their text through a
 ``live.LiveStream`` when asked, records a session's turn (``sessions.SessionStore``) and builds the
 OpenAI response. ``_postprocess`` turns one backend completion into the choice the client sees: cut at
-a string stop, tool calls parsed, finish reason.
+a string stop, cut after the first call (parallel_tool_calls false), reasoning split off, tool calls
+parsed in the family's format (``parsers``), finish reason.
+
+A forced tool call (tool_choice "required" or a named function; Anthropic any / tool) is the opening of
+the family's call format (``<tool_call>\n{"name": "`` and, for a named function, its name and
+``"arguments": ``) appended to the prompt, after the assistant header: the policy samples only the
+rest. Those tokens are GIVEN, not sampled: they are part of the recorded prompt (a turn's env tokens
+in a session), with no log-probability and no loss, because the policy did not choose them; counting
+them as sampled would credit the policy with a choice the gateway made, and their behaviour
+log-probabilities would not be what was sampled under. The session's next turn continues from prompt
++ sampled ids, so the model's context holds the forced opening exactly as it saw it. The reply the
+client gets is parsed from the forced text + the sampled text. The opening guarantees the format
+starts, not that the model completes it: a call that does not parse comes back as content (finish
+"stop"), as with any garbled call, so the reward can see it.
+
+parallel_tool_calls false (Anthropic disable_parallel_tool_use): a reply holding more than one call is
+cut after the token that completes the first, like a stop string: the record ends there (the turn is
+closed by an eos the next turn's continuation adds) and the tokens sampled after it are dropped, so
+the trainer and the next turn see the one call the client got, never calls it did not.
 
 ``PolicyChat`` is a mixin of ``app.Gateway`` (as ``rl_routes.RLRoutes`` is); it holds no state of its
 own and relies on the Gateway's ``cfg``, ``backend``, ``tok``, ``renderer``, ``store``, ``jobs``,
@@ -26,9 +44,11 @@ from dataclasses import dataclass
 import numpy as np
 from aiohttp import web
 
+from nodes.gateway import parsers
 from nodes.gateway.backend import SamplingParams
-from nodes.gateway.chat import ChatError, canonical, parse_tool_calls
-from nodes.gateway.live import LiveStream, TextFeed
+from nodes.gateway.chat import ChatError, canonical
+from nodes.gateway.feed import ReplyFeed
+from nodes.gateway.live import LiveStream
 from nodes.gateway.openai_api import ChatRequest, OpenAIError, completion_response, token_logprobs
 from nodes.gateway.sessions import Choice, Session
 
@@ -43,6 +63,17 @@ class ChoiceOut:
     completion: object  # areal_bus.messages.Completion, cut at a string stop
     message: dict
     finish_reason: str
+    stop: str | None = None  # the stop string that ended it, if one did
+
+
+@dataclass(frozen=True, slots=True)
+class Shaping:
+    """How a request's completions become the replies: what ``_postprocess`` and the stream feeds do."""
+    stops: list[str]
+    tools: parsers.ToolFormat | None  # None: no tool calls are parsed
+    think: parsers.ThinkFormat | None
+    forced: tuple[int, ...] = ()  # a forced call's opening, given at the end of the prompt
+    single_call: bool = False  # parallel_tool_calls false
 
 
 class PolicyChat:
@@ -54,10 +85,12 @@ class PolicyChat:
         ``request`` while it is generated, and finished here ((None, []) if it ended in an error)."""
         session = who if isinstance(who, Session) else None
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        # tool_choice "none": no tools offered, none parsed
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
         history = [canonical(m) for m in messages]
         tools_key = json.dumps(tools, sort_keys=True) if tools else ""
-        base, env_ids, prompt = self._prompt(session, messages, tools, history, tools_key)
+        shaping = self._shaping(req, bool(tools))
+        base, env_ids, prompt = self._prompt(session, messages, tools, history, tools_key, shaping.forced)
         room = self.max_context - int(prompt.size)
         wanted = req.max_completion_tokens or req.max_tokens or self.cfg.default_max_tokens or room
         stops = req.stops
@@ -66,14 +99,14 @@ class PolicyChat:
                                 top_p=1.0 if req.top_p is None else float(req.top_p),
                                 stop_token_ids=tuple(self.renderer.stop_token_ids(stops)),
                                 ticket=session.ticket if session is not None else 0)
-        parse_tools = bool(tools) and req.tool_choice != "none"
         n = req.n or 1
         self._admit(n)
 
         loop = asyncio.get_running_loop()
         feeds = tokens = None
         if live is not None and getattr(self.backend, "streams_tokens", False):
-            feeds = [TextFeed(self.renderer.decode, stops, parse_tools) for _ in range(n)]
+            feeds = [ReplyFeed(self.renderer.decode, stops, shaping.tools, shaping.think, shaping.forced)
+                     for _ in range(n)]
             tokens = asyncio.Queue()  # (choice, start, ids) from the backend, then None when the turn is done
         result = first = None
         if session is not None:
@@ -84,19 +117,22 @@ class PolicyChat:
                 first = self.store.reserve(session, n)
             result = loop.create_future()
             job = loop.create_task(self._generate_and_record(session, base, prompt, env_ids, history, tools_key, n,
-                                                             params, stops, parse_tools, result, first, tokens))
+                                                             params, shaping, result, first, tokens))
             self.jobs.setdefault(session.id, set()).add(job)
         elif live is not None:  # nothing to record, but the handler writes while it generates
-            result = loop.create_task(self._generate_unrecorded(prompt, params, n, stops, parse_tools, tokens))
+            result = loop.create_task(self._generate_unrecorded(prompt, params, n, shaping, tokens))
         rid = (f"chatcmpl-{self._rid_prefix}{next(self._rids)}" if session is None
                else f"chatcmpl-{session.id}-{first}" if first is not None else None)
         if live is not None:
             await live.open(request, rid, int(prompt.size), n)  # the client left: the live writes are no-ops
+        reasoning = getattr(live, "reasoning", None)  # a live stream that shows reasoning as it comes
         if tokens is not None:
             result.add_done_callback(lambda _: tokens.put_nowait(None))
             while (item := await tokens.get()) is not None:
                 i, start, ids = item
-                delta = feeds[i].add(start, ids)
+                thought, delta = feeds[i].feed(start, ids)
+                if thought and reasoning is not None:
+                    await reasoning(i, thought)
                 if delta:
                     await live.text(i, delta)
         try:
@@ -104,7 +140,7 @@ class PolicyChat:
                 outs, indices = await result
             else:  # nothing to record: generated right here (no task), and a disconnect loses nothing
                 try:
-                    outs, failed = await self._generate("", prompt, params, n, stops, parse_tools)
+                    outs, failed = await self._generate("", prompt, params, n, shaping)
                 finally:
                     self._add_pending(-n)
                 if failed is not None:
@@ -136,28 +172,56 @@ class PolicyChat:
             ms=round((time.monotonic() - t0) * 1000)))
         if live is not None:
             if feeds is not None:  # what the feeds have not sent yet
+                thoughts = [feed.rest_reasoning(o.message.get("reasoning_content")) for feed, o in zip(feeds, outs)]
                 rest = [[feed.rest(o.message.get("content"))] for feed, o in zip(feeds, outs)]
                 if any(feed.mismatched for feed in feeds):
                     self.metrics.inc("gateway.stream_mismatch")
             else:  # a backend that cannot stream: the whole text now, cut where tokens end
+                thoughts = [o.message.get("reasoning_content") or "" for o in outs]
                 rest = [self.renderer.text_pieces(o.completion.output_ids, o.message.get("content") or "")
                         for o in outs]
+            for i, thought in enumerate(thoughts):
+                if thought and reasoning is not None:
+                    await reasoning(i, thought)
             await live.finish(resp, rest)
         return resp, outs
 
+    @property
+    def formats(self) -> parsers.Formats:
+        """The policy's tool-call and reasoning formats: the config's knobs, or read from its template."""
+        formats = getattr(self, "_formats", None)
+        if formats is None:
+            r = self.renderer
+            formats = self._formats = parsers.choose(r.template, r.generation_prompt, self.cfg.tool_parser,
+                                                     self.cfg.reasoning_parser, r.template_tools)
+        return formats
+
+    def _shaping(self, req: ChatRequest, tools: bool) -> Shaping:
+        formats = self.formats
+        required, name = req.forced_tool
+        forced: tuple[int, ...] = ()
+        if tools and required:
+            text = formats.tools.forced_prefix(name)
+            if formats.think is not None and formats.think.starts_open:  # the prompt opened a <think>: close it
+                text = parsers.ThinkFormat.CLOSE + "\n\n" + text
+            forced = tuple(self.renderer.encode(text))
+        return Shaping(req.stops, formats.tools if tools else None, formats.think, forced,
+                       tools and req.parallel_tool_calls is False)
+
     def _prompt(self, session: Session | None, messages: list[dict], tools: list[dict] | None, history: list,
-                tools_key: str):
+                tools_key: str, forced: tuple[int, ...] = ()):
         """(base, env_ids, prompt): the prompt's token ids, refused with a 400 past the context. A
         session's turn that continues an earlier one (``base``) reuses the tokens that turn was served
-        with and renders only what the environment added since (``env_ids``)."""
+        with and renders only what the environment added since (``env_ids``). ``forced``: a forced tool
+        call's opening, given after the assistant header (env tokens of the turn)."""
         base = self.store.match(session, history, tools_key) if session is not None else None
         try:
             if base is not None:
-                env_ids = self.renderer.continuation_ids(messages[base.depth:], tools, base.closed)
+                env_ids = [*self.renderer.continuation_ids(messages[base.depth:], tools, base.closed), *forced]
                 prompt = np.concatenate([base.next_prompt(), np.asarray(env_ids, dtype=np.int32)])
             else:
                 env_ids = None
-                prompt = np.asarray(self.renderer.prompt_ids(messages, tools), dtype=np.int32)
+                prompt = np.asarray([*self.renderer.prompt_ids(messages, tools), *forced], dtype=np.int32)
         except ChatError as exc:
             raise OpenAIError(400, str(exc), param=exc.param, code="invalid_messages") from None
         if prompt.size >= self.max_context:
@@ -172,6 +236,8 @@ class PolicyChat:
         choices = []
         for out in outs:
             choice = {"message": out.message, "finish_reason": out.finish_reason}
+            if out.stop is not None:  # as vLLM names it: which stop string ended the choice
+                choice["stop_reason"] = out.stop
             if req.logprobs:
                 ids, lps = out.completion.output_ids, out.completion.logprobs
                 keep = ids.size - (1 if ids.size and int(ids[-1]) == self.renderer.eos_id else 0)
@@ -194,7 +260,7 @@ class PolicyChat:
         self.pending += k
         self.metrics.gauges["http.pending"] = self.pending
 
-    async def _generate(self, sid: str, prompt, params, n: int, stops, parse_tools,
+    async def _generate(self, sid: str, prompt, params, n: int, shaping: Shaping,
                         tokens: asyncio.Queue | None = None) -> tuple[list[ChoiceOut], BaseException | None]:
         """The choices that came back, post-processed, and the first failure (None if all came back).
         ``tokens``: a queue that gets (choice, start, ids) as the backend reports tokens."""
@@ -211,26 +277,26 @@ class PolicyChat:
                                            return_exceptions=True)
             comps = [r for r in results if not isinstance(r, BaseException)]
             failed = next((r for r in results if isinstance(r, BaseException)), None)
-        return [self._postprocess(c, stops, parse_tools) for c in comps], failed
+        return [self._postprocess(c, shaping) for c in comps], failed
 
-    async def _generate_unrecorded(self, prompt, params, n: int, stops, parse_tools, tokens) -> tuple[list, list]:
+    async def _generate_unrecorded(self, prompt, params, n: int, shaping: Shaping, tokens) -> tuple[list, list]:
         """An admin call's streamed generation (nothing recorded): (outs, []) or its failure."""
         try:
-            outs, failed = await self._generate("", prompt, params, n, stops, parse_tools, tokens)
+            outs, failed = await self._generate("", prompt, params, n, shaping, tokens)
         finally:
             self._add_pending(-n)
         if failed is not None:
             raise failed
         return outs, []
 
-    async def _generate_and_record(self, session, base, prompt, env_ids, history, tools_key, n, params, stops,
-                                   parse_tools, result: asyncio.Future, first: int | None = None,
+    async def _generate_and_record(self, session, base, prompt, env_ids, history, tools_key, n, params,
+                                   shaping: Shaping, result: asyncio.Future, first: int | None = None,
                                    tokens: asyncio.Queue | None = None) -> None:
         """Generate a session's turn and record it (at the reserved indices from ``first``, if any); the
         outcome (outs, indices) or the failure goes to ``result`` unless the client left (then it is
         dropped: the record is what mattered)."""
         try:
-            outs, failed = await self._generate(session.id, prompt, params, n, stops, parse_tools, tokens)
+            outs, failed = await self._generate(session.id, prompt, params, n, shaping, tokens)
             indices = []
             if outs:
                 choices = [Choice(o.completion, o.message, _closed(o.completion, self.renderer.eos_id),
@@ -253,21 +319,38 @@ class PolicyChat:
             if jobs is not None:
                 jobs.discard(asyncio.current_task())
 
-    def _postprocess(self, comp, stops: list[str], parse_tools: bool) -> ChoiceOut:
-        ids = comp.output_ids
-        if stops:
-            keep, text, stopped = self.renderer.apply_stop(ids, stops)
-            if keep < ids.size:
-                comp = dataclasses.replace(comp, output_ids=ids[:keep], logprobs=comp.logprobs[:keep],
-                                           versions=comp.versions[:keep], finish_reason="stop")
-        else:
-            text, stopped = self.renderer.decode(ids), False
-        content, calls = parse_tool_calls(text) if parse_tools else (text, [])
+    def _postprocess(self, comp, shaping: Shaping) -> ChoiceOut:
+        ids, forced, r = comp.output_ids, shaping.forced, self.renderer
+        keep, text, stopped, matched = r.stop_cut(ids, shaping.stops, forced)
+        if shaping.single_call and shaping.tools is not None:
+            cut = self._first_call_cut(ids[:keep], text, shaping)
+            if cut is not None:
+                keep, text, stopped, matched = cut, r.decode([*forced, *ids[:cut]]), False, None
+        if keep < ids.size:
+            comp = dataclasses.replace(comp, output_ids=ids[:keep], logprobs=comp.logprobs[:keep],
+                                       versions=comp.versions[:keep], finish_reason="stop")
+        reasoning, content = shaping.think.split(text) if shaping.think is not None else (None, text)
+        content, calls = shaping.tools.parse(content) if shaping.tools is not None else (content, [])
         message = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = calls
         finish = "tool_calls" if calls else "stop" if stopped else comp.finish_reason
-        return ChoiceOut(comp, message, finish)
+        return ChoiceOut(comp, message, finish, matched if stopped and not calls else None)
+
+    def _first_call_cut(self, ids, text: str, shaping: Shaping) -> int | None:
+        """For parallel_tool_calls false: how many of ``ids`` to keep so the reply ends with its first
+        call, when it holds more than one (None: keep them all)."""
+        reasoning, content = shaping.think.split(text) if shaping.think is not None else (None, text)
+        if len(shaping.tools.parse(content)[1]) < 2:
+            return None
+        offset = len(text) - len(content)  # the content is the text's tail
+        end = shaping.tools.first_call_end(content)
+        if end is None:
+            return None
+        upto = text[:offset + end]
+        return self.renderer.first_holding(ids, lambda t: t.startswith(upto), shaping.forced)
 
 
 def _closed(comp, eos_id: int) -> bool:
