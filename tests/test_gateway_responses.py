@@ -188,3 +188,26 @@ def test_responses_are_served_under_the_gateway_prefix_with_usage_on_the_wire(ga
     body = r.json()
     assert r.status_code == 200 and body["object"] == "response" and body["output"][0]["content"][0]["text"] == "10"
     assert body["usage"]["total_tokens"] == body["usage"]["input_tokens"] + 3
+
+
+def test_streamed_reasoning_is_its_own_output_item_before_the_message():
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from nodes.gateway.responses_api import StreamEvents
+
+    chat = {"id": "chatcmpl-x-0", "usage": {"prompt_tokens": 5, "completion_tokens": 9}, "choices": [{
+        "finish_reason": "stop", "message": {"role": "assistant", "content": "It is 10.",
+                                             "reasoning_content": "Higher than 8, so 10."}}]}
+    ev = StreamEvents({"model": POLICY, "input": "x"}, "resp_x-0")
+    events = [*ev.opening(), *ev.reasoning("Higher than 8"), *ev.reasoning(", so 10."), *ev.text("It is"),
+              *ev.closing(chat, [" 10."])]
+    parsed = [TypeAdapter(ResponseStreamEvent).validate_python(data) for _, data in events]  # the SDK's own types
+    added = [(e.output_index, e.item.type) for e in parsed if e.type == "response.output_item.added"]
+    assert added == [(0, "reasoning"), (1, "message")]
+    thought = "".join(e.delta for e in parsed if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in parsed if e.type == "response.output_text.delta")
+    assert thought == "Higher than 8, so 10." and text == "It is 10."
+    final = parsed[-1].response
+    assert final.status == "completed" and [o.type for o in final.output] == ["reasoning", "message"]
+    assert final.output_text == "It is 10." and final.usage.output_tokens == 9

@@ -262,6 +262,20 @@ def to_chat_request(body, history: list[dict] | None = None) -> tuple[dict, list
     return chat, new
 
 
+_PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens", "messages": "input"}
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat request's parameter as the Responses request names it (response_format -> text.format)."""
+    if not param:
+        return param
+    head, sep, tail = param.partition(".")
+    root = head.split("[", 1)[0]
+    if root in _PARAMS:
+        return "input" if root == "messages" else _PARAMS[root] + head[len(root):] + sep + tail
+    return param
+
+
 # -- the reply ------------------------------------------------------------------------------------
 
 def response_id(chat_id: str) -> str:
@@ -271,7 +285,7 @@ def response_id(chat_id: str) -> str:
 def usage(chat_usage: dict | None) -> dict:
     u = chat_usage or {}
     i, o = int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
-    return {"input_tokens": i, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": o,
+    return {"input_tokens": i, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0}, "output_tokens": o,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": i + o}
 
 
@@ -345,6 +359,9 @@ class StreamEvents:
         self.items: list[dict] = []  # output items as they are finished, in output order
         self.text_open = False
         self.sent = ""
+        self.thinking = None  # the reasoning item's output index while it streams
+        self.thought = ""
+        self.thought_done = False
 
     def _ev(self, kind: str, **fields) -> tuple[str, dict]:
         self.seq += 1
@@ -357,12 +374,26 @@ class StreamEvents:
         return [self._ev("response.created", response=self._resp("in_progress")),
                 self._ev("response.in_progress", response=self._resp("in_progress"))]
 
+    def _close_reasoning(self, text: str) -> list[tuple[str, dict]]:
+        """The streamed reasoning item's last delta (what it did not send of ``text``) and its done events."""
+        out = []
+        if text.startswith(self.thought) and len(text) > len(self.thought):
+            out += self.reasoning(text[len(self.thought):])
+        item, at = reasoning_item(self.rid, text), self.thinking
+        self.thinking, self.thought_done = None, True
+        self.items.append(item)
+        return out + [self._ev("response.reasoning_text.done", item_id=item["id"], output_index=at, content_index=0,
+                               text=text),
+                      self._ev("response.output_item.done", output_index=at, item=item)]
+
     def _open_text(self) -> list[tuple[str, dict]]:
+        out = self._close_reasoning(self.thought) if self.thinking is not None else []
         self.text_open = True
         item = {**message_item(self.rid, "", status="in_progress"), "content": []}
-        return [self._ev("response.output_item.added", output_index=len(self.items), item=item),
-                self._ev("response.content_part.added", item_id=item["id"], output_index=len(self.items),
-                         content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+        return out + [self._ev("response.output_item.added", output_index=len(self.items), item=item),
+                      self._ev("response.content_part.added", item_id=item["id"], output_index=len(self.items),
+                               content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                      "logprobs": []})]
 
     def text(self, delta: str) -> list[tuple[str, dict]]:
         if not delta:
@@ -372,11 +403,30 @@ class StreamEvents:
         return out + [self._ev("response.output_text.delta", item_id=f"msg_{self.rid[5:]}", output_index=len(self.items),
                                content_index=0, delta=delta, logprobs=[])]
 
+    def reasoning(self, delta: str) -> list[tuple[str, dict]]:
+        """A reasoning delta (before any text: reasoning models think first)."""
+        if not delta or self.text_open or self.thought_done:
+            return []
+        out = []
+        rid = f"rs_{self.rid[5:]}"
+        if self.thinking is None:
+            self.thinking = len(self.items)
+            out.append(self._ev("response.output_item.added", output_index=self.thinking,
+                                item={**reasoning_item(self.rid, ""), "content": []}))
+        self.thought += delta
+        return out + [self._ev("response.reasoning_text.delta", item_id=rid, output_index=self.thinking,
+                               content_index=0, delta=delta)]
+
     def closing(self, chat: dict, rest: list[str]) -> list[tuple[str, dict]]:
         choice = chat["choices"][0]
         msg = choice["message"]
         out = []
-        if msg.get("reasoning_content"):
+        if self.thinking is not None:  # close the streamed reasoning item with what it did not send yet
+            out += self._close_reasoning(msg.get("reasoning_content") or self.thought)
+        elif msg.get("reasoning_content") and any(i["type"] == "reasoning" for i in self.items):
+            at = next(k for k, i in enumerate(self.items) if i["type"] == "reasoning")  # closed when text began:
+            self.items[at] = reasoning_item(self.rid, msg["reasoning_content"])  # the final reply has it whole
+        elif msg.get("reasoning_content"):
             item = reasoning_item(self.rid, msg["reasoning_content"])
             out += [self._ev("response.output_item.added", output_index=len(self.items), item={**item, "content": []}),
                     self._ev("response.reasoning_text.delta", item_id=item["id"], output_index=len(self.items),

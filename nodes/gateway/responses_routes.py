@@ -97,6 +97,9 @@ class ResponsesLive:
     async def text(self, index: int, delta: str) -> None:
         await self._write(self.events.text(delta))
 
+    async def reasoning(self, index: int, delta: str) -> None:
+        await self._write(self.events.reasoning(delta))
+
     async def finish(self, resp: dict, rest: list[list[str]]) -> None:
         self.on_done(resp)
         await self._write(self.events.closing(resp, rest[0]), eof=True)
@@ -129,7 +132,11 @@ class ResponsesRoutes:
         owner = who.id if isinstance(who, Session) else ""
         parent = body.get("previous_response_id") if isinstance(body.get("previous_response_id"), str) else None
         chat, new = responses_api.to_chat_request(body, self.conversations.history(owner, parent))
-        req = parse_chat_request(chat)
+        try:
+            req = parse_chat_request(chat)
+        except OpenAIError as err:  # the chat path's refusal, named as the Responses request names the field
+            err.param = responses_api.responses_param(err.param)
+            raise
         stream = bool(body.get("stream"))
 
         def done(resp: dict) -> None:
