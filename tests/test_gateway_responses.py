@@ -211,3 +211,14 @@ def test_streamed_reasoning_is_its_own_output_item_before_the_message():
     final = parsed[-1].response
     assert final.status == "completed" and [o.type for o in final.output] == ["reasoning", "message"]
     assert final.output_text == "It is 10." and final.usage.output_tokens == 9
+
+
+def test_text_format_and_logprobs_go_through_the_chat_paths_rules_named_as_responses_fields(gateway):
+    gw = gateway()
+    with pytest.raises(openai.BadRequestError) as err:  # no guided decoding on these engines: refused, not ignored
+        gw.client().responses.create(model=POLICY, input=GAME, text={"format": {"type": "json_object"}})
+    assert err.value.body["param"] == "text.format" and "'text.format'" in err.value.body["message"]
+    r = gw.client().responses.create(model=POLICY, input=TEN, temperature=0, include=["message.output_text.logprobs"])
+    comp = gw.backend.history[-1][1]
+    got = r.output[0].content[0].logprobs
+    assert [t.token for t in got] == ["1", "0"] and np.allclose([t.logprob for t in got], comp.logprobs[:2])

@@ -135,7 +135,10 @@ class ResponsesRoutes:
         try:
             req = parse_chat_request(chat)
         except OpenAIError as err:  # the chat path's refusal, named as the Responses request names the field
-            err.param = responses_api.responses_param(err.param)
+            named = responses_api.responses_param(err.param)
+            if named != err.param and err.param:
+                err.message = err.message.replace(f"'{err.param}'", f"'{named}'")
+            err.param = named
             raise
         stream = bool(body.get("stream"))
 
