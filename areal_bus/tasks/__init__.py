@@ -1,19 +1,24 @@
-"""Built-in agent tasks: environments that play the user/tool side of a multi-turn episode and score
-it with a verifiable reward in [0, 1]. Each task offers ``reset(seed) -> Episode`` and the token-level
-helpers the agent uses to append environment turns without re-tokenising sampled ids."""
+"""Agent tasks: environments that play the user/tool side of an episode and score it with a
+verifiable reward. The interface a task implements, and the driver that plays any task through
+token ids, is in ``driver`` (its docstring is the reference); ``guess`` is guess-the-number, ``math``
+(``math_task``) the built-in dataset task with an exact answer checker and ``arith`` its problem
+generator; ``dataset`` reads ``agent.dataset``; ``plugins`` resolves what the topology names
+(``agent.framework: package.module:Class``, ``agent.reward_source: package.module:function``);
+``runner`` verifies and evaluates."""
 
-from areal_bus.tasks.guess import (
+from areal_bus.tasks.driver import (
     EVAL_SEED_BASE,
-    Episode,
-    GuessTask,
-    eval_seeds,
-    is_eval_seed,
+    TaskContext,
+    TaskDriver,
+    combine_reward,
     render_assistant_turn,
     render_env_turn,
     render_prefix,
 )
+from areal_bus.tasks.guess import Episode, GuessTask, eval_seeds, is_eval_seed
+from areal_bus.tasks.math_task import MathEpisode, MathTask
 
-TASKS = {"guess": GuessTask}
+TASKS = {"guess": GuessTask, "math": MathTask}
 """Task classes by the name a topology or config uses."""
 
 
@@ -25,6 +30,7 @@ def make_task(name: str, **kwargs):
 
 
 __all__ = [
-    "EVAL_SEED_BASE", "Episode", "GuessTask", "TASKS", "eval_seeds", "is_eval_seed", "make_task",
-    "render_assistant_turn", "render_env_turn", "render_prefix",
+    "EVAL_SEED_BASE", "Episode", "GuessTask", "MathEpisode", "MathTask", "TASKS", "TaskContext", "TaskDriver",
+    "combine_reward", "eval_seeds", "is_eval_seed", "make_task", "render_assistant_turn", "render_env_turn",
+    "render_prefix",
 ]

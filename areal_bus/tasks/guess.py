@@ -33,9 +33,12 @@ import random
 import re
 from dataclasses import dataclass, field
 
-# Seeds at or above this are the held-out evaluation set; training draws seeds below it. Kept under
-# 2**31 so a seed fits any int32 field on the wire.
-EVAL_SEED_BASE = 2_000_000_000
+from areal_bus.tasks.driver import (  # noqa: F401  (re-exported: the guess task's old home of them)
+    EVAL_SEED_BASE,
+    render_assistant_turn,
+    render_env_turn,
+    render_prefix,
+)
 
 HIGHER, LOWER, INVALID = "higher", "lower", "invalid"
 
@@ -103,11 +106,19 @@ class Episode:
         """1.0 if solved within max_turns, else 0.0 (also 0.0 while the episode is still running)."""
         return 1.0 if self.solved else 0.0
 
+    @property
+    def correct(self) -> bool:
+        """Solved (the evaluation's accuracy)."""
+        return self.solved
+
 
 class GuessTask:
     """Factory of guess-the-number episodes; ``reset(seed)`` is deterministic in the seed."""
 
     name = "guess"
+    max_tokens = 8
+    """A guess is a number and eos (2-3 tokens); 8 leaves room for a chatty policy without letting a
+    broken one ramble through the whole context."""
 
     def __init__(self, n: int = 16, max_turns: int = 5) -> None:
         if n < 2 or max_turns < 1:
@@ -118,7 +129,8 @@ class GuessTask:
     def prompt(self) -> str:
         return f"Guess my number (1-{self.n}) in {self.max_turns} tries. I say higher or lower."
 
-    def reset(self, seed: int) -> Episode:
+    def reset(self, seed: int, row: dict | None = None) -> Episode:
+        """The game of ``seed`` (``row`` is unused: guess has no dataset)."""
         ep = Episode(secret=secret_for(seed, self.n), n=self.n, max_turns=self.max_turns)
         ep.messages.append({"role": "user", "content": self.prompt()})
         return ep
@@ -148,31 +160,3 @@ def is_eval_seed(seed: int) -> bool:
 def bisect_guess(ep: Episode) -> str:
     """The reference player: midpoint of the feasible interval (always solves 1..16 in 5 turns)."""
     return str((ep.lo + ep.hi) // 2)
-
-
-# --- token-level helpers: the agent appends ids, it never re-tokenises what the engine sampled -------
-
-def render_prefix(tokenizer, episode: Episode) -> list[int]:
-    """Prompt ids of the conversation so far, ending with the generation prompt (assistant header)."""
-    text = tokenizer.apply_chat_template(episode.messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def render_env_turn(tokenizer, reply_text: str, role: str = "user") -> list[int]:
-    """Ids to append after the assistant's sampled ids (which end with eos) to close that turn, add the
-    environment reply and open the next assistant turn. Taken from the chat template itself, so it
-    matches whatever the template puts between turns (for ChatML:
-    "\\n<|im_start|>user\\nhigher<|im_end|>\\n<|im_start|>assistant\\n")."""
-    marker = "\x00"  # a character no template or reply contains: locates the end of the assistant turn
-    convo = [{"role": "assistant", "content": marker}, {"role": role, "content": reply_text}]
-    text = tokenizer.apply_chat_template(convo, tokenize=False, add_generation_prompt=True)
-    after_marker = text[text.index(marker) + 1:]
-    if not after_marker.startswith(tokenizer.eos_token):
-        raise ValueError("chat template does not end an assistant turn with the eos token")
-    return tokenizer.encode(after_marker[len(tokenizer.eos_token):], add_special_tokens=False)
-
-
-def render_assistant_turn(tokenizer, text: str) -> list[int]:
-    """The ids a sampler would emit for ``text``: its tokens then eos. For demonstrations only; in RL
-    the engine's own sampled ids are used as they are."""
-    return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]

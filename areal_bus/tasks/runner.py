@@ -1,11 +1,11 @@
 """Playing a task through token ids: the agent node's driver, the reward node's verifier and the
 trainer's held-out evaluation all use this one module, so they cannot disagree about an episode.
 
-``GuessDriver`` turns engine completions into environment turns without ever re-tokenising what the
-engine sampled: the next prompt is the previous ids + the sampled ids + the environment's reply ids.
 ``verify`` replays a finished trajectory's policy turns (the loss-masked spans) through a fresh
-episode of the same seed and returns its reward. ``evaluate`` plays a fixed set of held-out episodes
-greedily through any RolloutEngine, all at once in its continuous batch.
+episode of the same seed and scores it (agent.reward_source's function, else the task's reward).
+``evaluate`` plays the held-out instances greedily through any RolloutEngine, all at once in its
+continuous batch, and reports the mean reward, the accuracy and the completions' lengths.
+``GuessDriver`` is the driver (tasks.driver.TaskDriver) of guess-the-number.
 """
 
 from __future__ import annotations
@@ -14,50 +14,31 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_bus.messages import Completion, GenerateRequest, Trajectory
-from areal_bus.tasks.guess import EVAL_SEED_BASE, GuessTask, eval_seeds, render_env_turn, render_prefix
+from areal_bus.messages import GenerateRequest, Trajectory
+from areal_bus.tasks.driver import TaskDriver
+from areal_bus.tasks.guess import GuessTask
 
-MAX_TOKENS_PER_TURN = 8
-"""A guess is a number and eos (2-3 tokens); 8 leaves room for a chatty policy without letting a
-broken one ramble through the whole context."""
+MAX_TOKENS_PER_TURN = GuessTask.max_tokens
 
 
 def load_tokenizer(model_path: str | Path):
+    """The policy's tokenizer. A tokenizer without a chat template gets the project's ChatML one
+    (areal_bus.tokenizer.CHAT_TEMPLATE), so every task renders its turns the same way."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_path))
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    if not getattr(tok, "chat_template", None):
+        from areal_bus.tokenizer import CHAT_TEMPLATE
+
+        tok.chat_template = CHAT_TEMPLATE
+    return tok
 
 
-class GuessDriver:
-    max_tokens = MAX_TOKENS_PER_TURN
+class GuessDriver(TaskDriver):
+    """The guess-the-number driver (what ``agent.framework: guess`` builds)."""
 
-    def __init__(self, tokenizer, n: int = 16, max_turns: int = 5):
-        self.tok = tokenizer
-        self.task = GuessTask(n, max_turns)
-        self.eos = tokenizer.eos_token_id
-
-    def new_seed(self, rng: np.random.Generator) -> int:
-        """A training game: seeds below EVAL_SEED_BASE, so never one of the held-out games."""
-        return int(rng.integers(0, EVAL_SEED_BASE))
-
-    def start(self, rng: np.random.Generator, index: int, seed: int | None = None):
-        """(episode, first prompt ids, meta) for a new game; the same seed is the same game."""
-        seed = self.new_seed(rng) if seed is None else seed
-        ep = self.task.reset(seed)
-        return ep, np.asarray(render_prefix(self.tok, ep), dtype=np.int32), {"task": "guess", "seed": seed}
-
-    def advance(self, ep, record, comp: Completion):
-        """After a turn: (environment reply ids or None, done, reward). The reward is left to the
-        reward node (None), which verifies the trajectory independently."""
-        ids = comp.output_ids
-        text = self.tok.decode(ids, skip_special_tokens=True)
-        reply, done = ep.step(text)
-        if done:
-            return None, True, None
-        env = render_env_turn(self.tok, reply)
-        if ids.size == 0 or int(ids[-1]) != self.eos:
-            env = [self.eos, *env]  # the turn hit max_tokens: close it as the template would
-        return np.asarray(env, dtype=np.int32), False, None
+    def __init__(self, tokenizer, n: int = 16, max_turns: int = 5, max_tokens: int | None = None, reward_fn=None):
+        super().__init__(GuessTask(n, max_turns), tokenizer, name="guess", max_tokens=max_tokens, reward_fn=reward_fn)
 
 
 def policy_turns(traj: Trajectory) -> list[np.ndarray]:
@@ -67,22 +48,29 @@ def policy_turns(traj: Trajectory) -> list[np.ndarray]:
     return [traj.output_ids[a:b] for a, b in zip(edges[::2], edges[1::2])]
 
 
-def verify(driver: GuessDriver, traj: Trajectory) -> float:
-    """The trajectory's reward by the task's rules, replayed from its seed and its policy turns."""
+def replay(driver: TaskDriver, traj: Trajectory):
+    """The trajectory's episode, replayed from its seed and its policy turns (ValueError without a seed)."""
     seed = traj.meta.get("seed")
-    if not isinstance(seed, int):
+    if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"trajectory {traj.traj_id} carries no task seed")
-    ep = driver.task.reset(seed)
-    for ids in policy_turns(traj):
-        if ep.done:
-            break
-        ep.step(driver.tok.decode(ids, skip_special_tokens=True))
-    return ep.reward
+    return driver.replay(seed, [driver.tok.decode(ids, skip_special_tokens=True) for ids in policy_turns(traj)])
 
 
-def evaluate(engine, driver: GuessDriver, seeds: list[int] | None = None, k: int = 64) -> dict:
-    """Greedy solve rate on held-out games, played concurrently through ``engine``."""
-    seeds = seeds if seeds is not None else eval_seeds(k, driver.task.n)
+def verify(driver: TaskDriver, traj: Trajectory) -> float:
+    """The trajectory's reward by the task's rules (or agent.reward_source's function). A dict of
+    components is summed; the components are kept on the trajectory (``meta['reward_components']``)
+    for the trainer to log."""
+    reward, parts = driver.score(replay(driver, traj))
+    if parts is not None:
+        traj.meta["reward_components"] = parts
+    return reward
+
+
+def evaluate(engine, driver: TaskDriver, seeds: list[int] | None = None, k: int = 64) -> dict:
+    """Greedy play of the held-out instances, concurrently through ``engine``: ``eval_reward`` (mean
+    reward), ``eval_accuracy`` (share of episodes the task marks ``correct``, when it does),
+    ``eval_turns`` (policy turns per episode) and the completions' token counts (mean, max)."""
+    seeds = seeds if seeds is not None else driver.eval_seeds(k)
     rng = np.random.default_rng(0)
     games = {}
     queue = []
@@ -90,7 +78,7 @@ def evaluate(engine, driver: GuessDriver, seeds: list[int] | None = None, k: int
         ep, prompt, _ = driver.start(rng, i, seed=seed)
         games[f"eval-{i}"] = [ep, prompt, 0]
         queue.append(f"eval-{i}")
-    turns = 0
+    turns, lengths = 0, []
     while queue or engine.running_ids:
         while queue and engine.free_slots > 0:
             gid = queue.pop()
@@ -103,8 +91,15 @@ def evaluate(engine, driver: GuessDriver, seeds: list[int] | None = None, k: int
             ep, ids, t = games[gid]
             env, done, _ = driver.advance(ep, None, comp)
             turns += 1
+            lengths.append(int(comp.output_ids.size))
             if not done:
                 games[gid] = [ep, np.concatenate([ids, comp.output_ids, env]).astype(np.int32), t + 1]
                 queue.append(gid)
-    solved = [games[g][0].reward for g in games]
-    return {"eval_reward": float(np.mean(solved)), "eval_turns": turns / max(1, len(games))}
+    episodes = [g[0] for g in games.values()]
+    out = {"eval_reward": float(np.mean([driver.score(ep)[0] for ep in episodes])) if episodes else 0.0,
+           "eval_turns": turns / max(1, len(games)),
+           "eval_tokens_mean": float(np.mean(lengths)) if lengths else 0.0,
+           "eval_tokens_max": int(max(lengths, default=0))}
+    if episodes and all(hasattr(ep, "correct") for ep in episodes):
+        out["eval_accuracy"] = float(np.mean([bool(ep.correct) for ep in episodes]))
+    return out

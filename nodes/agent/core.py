@@ -10,7 +10,9 @@ counts them (consumed, or dropped as over-stale, which gives the slot back); tho
 so a lost hub message never leaks a slot.
 
 A driver plays the task: ``sim`` (synthetic single-turn prompts, output lengths drawn by the simulated
-engine) here; real multi-turn tasks plug in the same way (``make_driver``).
+engine) here; every real task (guess, math, a user's ``package.module:Class``) through
+areal_bus.tasks.driver.TaskDriver, which has the same ``new_seed`` / ``start`` / ``advance``
+(``make_driver``).
 """
 
 from __future__ import annotations
@@ -182,8 +184,10 @@ class EpisodeSource:
 
 
 def make_driver(topo, base=None):
+    """The driver of ``agent.framework``: SimDriver for 'sim', else the task's TaskDriver (a built-in
+    task or the user's ``package.module:Class``, areal_bus/tasks/plugins.py)."""
     if topo.agent.framework == "sim":
         return SimDriver(topo)
-    from areal_bus.tasks.runner import GuessDriver, load_tokenizer
+    from areal_bus.tasks.plugins import make_driver as make_task_driver
 
-    return GuessDriver(load_tokenizer(topo.model_path(base)), n=topo.agent.task_size, max_turns=topo.agent.max_turns)
+    return make_task_driver(topo, base)

@@ -19,21 +19,23 @@ import numpy as np
 
 from areal_bus import messages as m
 from areal_bus.node import NodeShell
-from areal_bus.tasks.guess import EVAL_SEED_BASE, GuessTask
+from areal_bus.tasks.driver import combine_reward
 
 MAX_GROUPS_IN_FLIGHT = 8
 """Task instances played at once by one agent; the gateway's admission is the real limit, this only
 bounds the agent's own memory and connections."""
 
 
-async def play_episode(shell, openai_mod, base_url: str, admin: str, task: GuessTask, seed: int, group_id: str,
+async def play_episode(shell, openai_mod, base_url: str, admin: str, driver, seed: int, group_id: str,
                        cfg) -> float:
-    """One episode through the gateway; returns its reward as the agent saw it (for the log only)."""
+    """One episode through the gateway (``driver``: the task's tasks.driver.TaskDriver, of which only
+    the text level is used: the gateway does the tokens); returns its reward as the agent saw it (for
+    the log only: the reward node verifies the episode itself)."""
     headers = {"Authorization": f"Bearer {admin}"}
     async with aiohttp.ClientSession() as http:
         while True:
             async with http.post(f"{base_url}/rl/sessions", headers=headers,
-                                 json={"meta": {"task": "guess", "seed": seed}, "group_id": group_id}) as r:
+                                 json={"meta": {"task": driver.name, "seed": seed}, "group_id": group_id}) as r:
                 body = await r.json()
                 if r.status == 429:
                     shell.metrics.inc("sessions_refused")
@@ -43,12 +45,12 @@ async def play_episode(shell, openai_mod, base_url: str, admin: str, task: Guess
                     raise RuntimeError(f"gateway refused a session: {r.status} {body}")
                 break
         client = openai_mod.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=body["api_key"], max_retries=3)
-        ep = task.reset(seed)
+        ep = driver.reset(seed)
         try:
             done = False
             while not done:
                 resp = await client.chat.completions.create(model=body["model"], messages=ep.messages,
-                                                            max_tokens=8, temperature=cfg.temperature,
+                                                            max_tokens=driver.max_tokens, temperature=cfg.temperature,
                                                             top_p=cfg.top_p)
                 _, done = ep.step(resp.choices[0].message.content or "")
         finally:
@@ -57,18 +59,21 @@ async def play_episode(shell, openai_mod, base_url: str, admin: str, task: Guess
                 if r.status >= 300:
                     shell.log.warning("session_end_failed", status=r.status, body=(await r.text())[:200])
     shell.metrics.inc("episodes")
-    return ep.reward
+    # The task's own reward, for the log (a reward function of the user's may be async: the reward
+    # node runs it, not this event loop).
+    reward = getattr(ep, "reward", None)
+    return combine_reward(reward)[0] if reward is not None else float("nan")
 
 
 class GatewayAgent:
     """Plays GRPO groups through the gateway until the trainer's run state says the run is over."""
 
-    def __init__(self, topo, replica: int, shell, openai_mod):
+    def __init__(self, topo, replica: int, shell, openai_mod, driver):
         gw = topo.gateway_config()
         self.base_url, self.admin = gw.base_url, gw.admin_token
         self.shell, self.openai, self.replica = shell, openai_mod, replica
         self.sampling = topo.rollout_engine
-        self.task = GuessTask(topo.agent.task_size, topo.agent.max_turns)
+        self.driver = driver
         self.rng = np.random.default_rng(topo.agent.seed * 1000 + replica)
         self.group = topo.agent.group_size
         self.finished = asyncio.Event()
@@ -82,10 +87,10 @@ class GatewayAgent:
         self.finished.set()
 
     async def play_group(self, index: int) -> None:
-        seed = int(self.rng.integers(0, EVAL_SEED_BASE))
+        seed = self.driver.new_seed(self.rng)  # a training instance, never a held-out one
         gid = f"agent{self.replica}-g{index}"
-        rewards = await asyncio.gather(*(play_episode(self.shell, self.openai, self.base_url, self.admin, self.task,
-                                                      seed, gid, self.sampling) for _ in range(self.group)))
+        rewards = await asyncio.gather(*(play_episode(self.shell, self.openai, self.base_url, self.admin,
+                                                      self.driver, seed, gid, self.sampling) for _ in range(self.group)))
         self.shell.metrics.inc("groups")
         if index % 8 == 0:
             self.shell.log.info("group", index=index, seed=seed, mean_reward=round(float(np.mean(rewards)), 3))
@@ -122,7 +127,9 @@ def run(topo, replica: int = 0, base=None) -> int:
 
     shell = NodeShell(topo, "agent", replica, base=base, watch=("gateway",), topics=(m.TOPIC_RUN,))
     shell.install_signal_handlers()
-    agent = GatewayAgent(topo, replica, shell, openai)
+    from nodes.agent.core import make_driver
+
+    agent = GatewayAgent(topo, replica, shell, openai, make_driver(topo, base))
     if agent.admin is None:  # the gateway will not start either: say so here too, with the fix
         shell.log.error("no_admin_token", fix="export AREAL_BUS_ADMIN_TOKEN (8+ characters) in the shell that "
                         "starts supervisord; nodes.gateway.config.admin_token reads it")
