@@ -4,6 +4,7 @@
                                                     exit 0 when training finished, 1 with the reason if not
   areal-bus run --resume | --new-run                over an unfinished run: continue it, or move it aside
   areal-bus render TOPOLOGY [-o supervisord.conf]   write the supervisord.conf for a topology
+  areal-bus render TOPOLOGY --host ADDR             the conf of one host: the programs placed there
   areal-bus validate TOPOLOGY                       check a topology and the files it names, print it resolved
   areal-bus node KIND --topology T [--replica N]    run one node (what supervisord runs)
   areal-bus node trainer --topology T --resume      continue a run from its newest checkpoint
@@ -52,8 +53,18 @@ def _node_module(name: str):
 def cmd_render(args) -> int:
     from areal_bus.render import write_conf
 
-    topo, _ = _load(args.topology, Path(args.output).resolve().parent)
-    out = write_conf(topo, args.topology, args.output)
+    output = args.output or ("supervisord.conf" if args.host is None else f"supervisord.{args.host}.conf")
+    topo, _ = _load(args.topology, Path(output).resolve().parent)
+    try:
+        out = write_conf(topo, args.topology, output, host=args.host)
+    except ValueError as err:  # a host the topology does not name: which ones it does
+        print(f"areal-bus render: {err}", file=sys.stderr)
+        return 2
+    if args.host is not None:
+        from areal_bus.placement import programs_on
+
+        print(f"wrote {out} for host {args.host} ({', '.join(f'{k}-{r}' for k, r in programs_on(topo, args.host))})")
+        return 0
     print(f"wrote {out} ({', '.join(f'{k}={topo.replicas(k)}' for k in NODE_KINDS if topo.replicas(k))})")
     return 0
 
@@ -185,7 +196,9 @@ def main(argv=None) -> int:
     rn.set_defaults(fn=cmd_run)
     r = sub.add_parser("render", help="write a supervisord.conf for a topology")
     r.add_argument("topology")
-    r.add_argument("-o", "--output", default="supervisord.conf")
+    r.add_argument("-o", "--output", default=None, help="default supervisord.conf (with --host H: supervisord.H.conf)")
+    r.add_argument("--host", default=None, help="write only the programs the topology places on this host "
+                   "(its address, as the topology names it); default: every program in one conf")
     r.set_defaults(fn=cmd_render)
     v = sub.add_parser("validate", help="check a topology and print it resolved")
     v.add_argument("topology")

@@ -12,6 +12,11 @@ after max_steps, and the ``run_end`` event listener then shuts supervisord down,
 itself. Scaling: edit the topology, re-render, ``supervisorctl -c supervisord.conf update``: added
 replicas start, removed ones get SIGTERM (a rollout worker finishes what it runs and leaves, so what
 it held is answered or handed back at once), nothing else is touched.
+
+Across hosts, ``render(..., host=H)`` (`areal-bus render T --host H`) writes H's conf: the programs
+areal_bus/placement.py places on H (the trainer's rank launcher ``trainer-<node rank>`` and a weight relay
+``weights-<i>`` where the topology needs them), the endpoints of the others in its header, and
+torchrun's environment (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, NODE_RANK) on the trainer's programs.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from areal_bus import placement
 from areal_bus.runend import EVENTS
 from areal_bus.topology import Topology
 
@@ -47,15 +53,28 @@ def program_name(kind: str, replica: int) -> str:
     return f"{kind}-{replica}"
 
 
-def _program(kind: str, replica: int, topo_rel: str, sup: str) -> list[str]:
+def _command(kind: str, replica: int, topo_rel: str, host: str | None) -> str:
+    if host is not None and kind == "trainer" and replica > 0:
+        # The trainer's ranks on another host than rank 0's: a launcher that starts them (torch_dp).
+        return f"python -m areal_bus.engines.torch_dp --topology %(here)s/{topo_rel}"
+    return f"areal-bus node {kind} --topology %(here)s/{topo_rel} --replica {replica}"
+
+
+def _environment(topo: Topology, kind: str, replica: int, host: str | None) -> str:
+    env = placement.rank_env(topo, replica) if host is not None and kind == "trainer" else {}
+    return PATH_ENV + "".join(f',{k}="{v}"' for k, v in env.items())
+
+
+def _program(kind: str, replica: int, topo_rel: str, sup: str, topo: Topology | None = None,
+             host: str | None = None) -> list[str]:
     # Nothing here may depend on the number of replicas: a line that did would change every
     # replica's config on a rescale, and `update` would restart them all.
     name = program_name(kind, replica)
     return [
         f"[program:{name}]",
-        f"command=areal-bus node {kind} --topology %(here)s/{topo_rel} --replica {replica}",
+        f"command={_command(kind, replica, topo_rel, host)}",
         "directory=%(here)s",
-        PATH_ENV,
+        PATH_ENV if topo is None else _environment(topo, kind, replica, host),
         f"priority={PRIORITY[kind]}",
         "autostart=true",
         "autorestart=unexpected",
@@ -74,14 +93,56 @@ def _program(kind: str, replica: int, topo_rel: str, sup: str) -> list[str]:
     ]
 
 
-def render(topo: Topology, topology_path: str | os.PathLike, conf_dir: str | os.PathLike) -> str:
+def _watched(topo: Topology, host: str | None, programs: list[tuple[str, int]]) -> str:
+    """The program whose expected exit ends this host's run: the trainer (rank 0) on its host, a rank
+    launcher (its ranks exit 0 when rank 0 stops them), else a weight relay (it exits 0 when the
+    trainer's run state says finished)."""
+    for kind in ("trainer", "weights"):
+        mine = sorted(r for k, r in programs if k == kind)
+        if mine:
+            return program_name(kind, mine[0])
+    return program_name("trainer", 0)
+
+
+def _host_header(topo: Topology, host: str) -> list[str]:
+    from areal_bus.topology import CHANNEL_OWNERS
+
+    lines = [f"; Host {host} of {', '.join(placement.hosts(topo))}: only the programs the topology places here.",
+             "; Copy the same topology, its model folder and the CURVE key folder to every host; render and",
+             "; start each host's own conf there (`supervisord -c` it, or `areal-bus run` it).",
+             "; Where this host finds the others (as every node computes them from the topology):"]
+    for channel in sorted(CHANNEL_OWNERS, key=lambda c: (CHANNEL_OWNERS[c], c)):
+        if topo.replicas(CHANNEL_OWNERS[channel]) == 0:
+            continue
+        lines.append(f";   {channel:8s} {topo.endpoint(channel)}  ({CHANNEL_OWNERS[channel]})")
+    if len(placement.trainer_hosts(topo)) > 1:
+        addr, port = placement.rendezvous(topo)
+        lines.append(f";   trainer ranks rendezvous (torch.distributed env://) at {addr}:{port}, "
+                     f"{placement.ranks_per_host(topo)} per host on {', '.join(placement.trainer_hosts(topo))}")
+    for far in placement.far_rollout_hosts(topo):
+        lines.append(f";   weights for rollout on {far} (no shared memory with the trainer): "
+                     f"{placement.relay_endpoint(topo, far)}")
+    return lines + [""]
+
+
+def render(topo: Topology, topology_path: str | os.PathLike, conf_dir: str | os.PathLike,
+           host: str | None = None) -> str:
+    """The supervisord.conf for every program (``host`` None: one host runs everything, today's
+    single file) or for the programs the topology places on ``host`` (raises ValueError for a host
+    it does not name)."""
     topo_rel = os.path.relpath(Path(topology_path).resolve(), Path(conf_dir).resolve())
+    if host is not None and host not in placement.hosts(topo):
+        raise ValueError(f"--host {host}: the topology places nothing there; its hosts are "
+                         f"{', '.join(placement.hosts(topo))}")
+    programs = placement.programs_on(topo, host)
     log_dir = _here(topo.logging.log_dir.rstrip("/"))
     sup = f"{log_dir}/supervisor"
+    how = f"areal-bus render {topo_rel}" + ("" if host is None else f" --host {host}")
     out = [
-        f"; areal_bus {topo.name}: rendered from {topo_rel} by `areal-bus render {topo_rel}`.",
+        f"; areal_bus {topo.name}: rendered from {topo_rel} by `{how}`.",
         "; Do not edit: edit the topology, re-render, then `supervisorctl -c supervisord.conf update`.",
         "",
+        *(_host_header(topo, host) if host is not None else []),
         "[supervisord]",
         "nodaemon=true",
         f"logfile={log_dir}/supervisord.log",
@@ -101,12 +162,12 @@ def render(topo: Topology, topology_path: str | os.PathLike, conf_dir: str | os.
         f"serverurl=unix://{log_dir}/supervisor.sock",
         "",
     ]
-    for kind in sorted(PRIORITY, key=lambda k: (PRIORITY[k], k)):
-        for replica in range(topo.replicas(kind)):
-            out += _program(kind, replica, topo_rel, sup)
+    for kind, replica in sorted(programs, key=lambda p: (PRIORITY[p[0]], p[0], p[1])):
+        out += _program(kind, replica, topo_rel, sup) if host is None else \
+            _program(kind, replica, topo_rel, sup, topo, host)
     out += [
         "[eventlistener:run_end]",
-        f"command=areal-bus run-end --program {program_name('trainer', 0)}",
+        f"command=areal-bus run-end --program {_watched(topo, host, programs)}",
         f"events={EVENTS}",
         "directory=%(here)s",
         PATH_ENV,
@@ -117,9 +178,9 @@ def render(topo: Topology, topology_path: str | os.PathLike, conf_dir: str | os.
     return "\n".join(out)
 
 
-def write_conf(topo: Topology, topology_path, out_path) -> Path:
+def write_conf(topo: Topology, topology_path, out_path, host: str | None = None) -> Path:
     out_path = Path(out_path)
-    text = render(topo, topology_path, out_path.parent)
+    text = render(topo, topology_path, out_path.parent, host)
     # supervisord refuses to start if its log folders are missing; make them next to the conf.
     log_dir = Path(topo.logging.log_dir)
     (log_dir if log_dir.is_absolute() else out_path.parent / log_dir).joinpath("supervisor").mkdir(

@@ -210,6 +210,10 @@ class NodeSpec(_Strict):
     replicas: int | None = Field(None, ge=0, le=1024, description="Processes of this kind (0 = not started).")
     host: str = Field("localhost", description="Host the node runs on. With tcp, the IP address this kind's "
                       "channels bind at and its peers connect to ('localhost': endpoints.host).")
+    hosts: list[str] | None = Field(None, min_length=1, max_length=1024, description="trainer and rollout only: "
+                                    "the hosts this kind is spread over (areal_bus/placement.py). trainer: its "
+                                    "ranks in equal contiguous blocks, rank 0 (the node) on the first; rollout: "
+                                    "replica r on hosts[r % len]. `areal-bus render --host H` writes H's programs.")
     config: NoConfig = Field(default_factory=NoConfig, description="Node-specific settings: none for this kind.")
 
 
@@ -343,6 +347,25 @@ class Topology(_Strict):
                                  f"run `areal-bus keys --out keys`, copy keys/ to every host, and set "
                                  f"endpoints.curve.key: keys/cluster.key_secret (or endpoints.allow_insecure: "
                                  f"true on a network you trust entirely)")
+        return self
+
+    @model_validator(mode="after")
+    def _placement(self):
+        # Hosts and placement (areal_bus/placement.py); the trainer node binds at its first host.
+        from areal_bus import placement
+
+        placement.check(self)
+        trainer = self.nodes.get("trainer")
+        if trainer is not None and trainer.hosts:
+            trainer.host = trainer.hosts[0]
+        ep = self.endpoints
+        spread = [h for _, spec in self.nodes.items() for h in (spec.hosts or [])]
+        if ep.transport == "tcp" and ep.curve is None and not ep.allow_insecure:
+            exposed = [h for h in spread if not _loopback(h)]
+            if exposed:
+                raise ValueError(f"nodes.*.hosts: {exposed[0]} is not a loopback address, so tcp between hosts "
+                                 f"must use CURVE: run `areal-bus keys --out keys`, copy keys/ to every host, and "
+                                 f"set endpoints.curve.key: keys/cluster.key_secret")
         return self
 
     # -- derived ------------------------------------------------------------------------------

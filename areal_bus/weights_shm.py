@@ -559,6 +559,31 @@ class ShmWeightReader:
         """Versions opened and not yet released."""
         return sorted(self._open)
 
+    def locate(self, version: int) -> str | None:
+        """Location of ``version`` in this weight set's segments now, or None: a host that receives
+        versions over the network (a weight relay) puts them in either buffer, so a reader there knows
+        the version it was told, not the buffer."""
+        for k in (0, 1):
+            try:
+                state = self._segment(k).committed()
+            except (FileNotFoundError, WeightShmError):
+                continue
+            if state is not None and state[1] == version:
+                return make_location(self.name, k, version)
+        return None
+
+    def digest(self, location: str) -> str:
+        """sha256 of the bytes of the version opened from ``location``; raises VersionUnavailable if
+        it was overwritten meanwhile (then the digest means nothing)."""
+        import hashlib
+
+        _, k, _ = parse_location(location)
+        with self._segments[k].data() as data:
+            value = hashlib.sha256(data).hexdigest()
+        if not self.verify(location):
+            raise VersionUnavailable(f"{location}: overwritten while its digest was taken")
+        return value
+
     def latest(self) -> str | None:
         """Location of the newest committed version in the segments now, or None. For a late joiner
         that has the weight set's name but missed the announcement; the bus snapshot is the normal way."""

@@ -9,14 +9,18 @@ receiving host's ``ChunkAssembler`` writes them into a local ``ShmWeightWriter``
 local readers map the version as usual. Every chunk carries a CRC32 and the layout's checksum, so a
 corrupt, foreign or overwritten chunk abandons its version instead of committing it.
 
-No node uses it yet: today every run keeps the trainer and its rollout workers' weights on one host.
+The last chunk also carries the sha256 of the whole version, hashed as the chunks are cut; the
+assembler hashes what it wrote and commits only on a match, so a far host serves the trainer's bytes
+or nothing. The weight broadcaster (nodes/weights.py) sends each version with it to a relay on every
+host that runs rollout and shares no memory with the trainer (areal_bus/placement.py).
 tests/test_weights_transfer.py checks it in one process and tests/test_two_hosts.py across two network
-namespaces over CURVE; a later issue wires it into the weight broadcaster for cross-host weights.
-No pickle anywhere: the manifest is JSON, chunk headers are plain dicts for msgpack.
+namespaces over CURVE, in a whole run. No pickle anywhere: the manifest is JSON, chunk headers are
+plain dicts for msgpack.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import zlib
 from collections.abc import Iterator, Mapping
@@ -41,7 +45,8 @@ class ChunkError(WeightShmError):
     receiving node counts and drops it; the version it belongs to is never committed."""
 
 
-def chunk_frames(location: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[tuple[dict, memoryview]]:
+def chunk_frames(location: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 extra: Mapping | None = None) -> Iterator[tuple[dict, memoryview]]:
     """The version at ``location`` as ``(header, payload)`` pairs to send as two frames each (header
     through msgpack, payload zero copy). Payloads view the shared buffer, so the version must stay
     unreleased until ZeroMQ has sent them; each carries a CRC32, so a buffer overwritten under a send
@@ -60,13 +65,17 @@ def chunk_frames(location: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Itera
     data = seg.data()
     total = len(data)
     count = max(1, math.ceil(total / chunk_bytes))
+    digest = hashlib.sha256()
     for i in range(count):
         off = i * chunk_bytes
         payload = data[off:off + chunk_bytes]
-        header = {"version": version, "index": i, "count": count, "offset": off, "nbytes": len(payload),
-                  "total": total, "crc": zlib.crc32(payload), "layout_crc": seg.layout.crc}
+        header = {**(extra or {}), "version": version, "index": i, "count": count, "offset": off,
+                  "nbytes": len(payload), "total": total, "crc": zlib.crc32(payload), "layout_crc": seg.layout.crc}
+        digest.update(payload)
         if i == 0:
             header["manifest"] = seg.layout.manifest.decode()
+        if i == count - 1:
+            header["sha256"] = digest.hexdigest()
         yield header, payload
     if seg.committed() != state:
         raise VersionUnavailable(f"{location}: overwritten while being sent")
@@ -92,6 +101,7 @@ class ChunkAssembler:
         self._received = 0
         self._expect: tuple[int, int] | None = None  # (count, total) of the version in progress
         self._abandoned = -1  # newest version given up on: its late chunks are refused, not restarted
+        self.digest = ""  # sha256 of the newest committed version, when its sender gave one
 
     def add(self, header: Mapping, payload) -> str | None:
         try:
@@ -111,6 +121,10 @@ class ChunkAssembler:
             self.writer = ShmWeightWriter(self.name, layout)
         if layout_crc != self.writer.layout.crc or total != self.writer.nbytes:
             raise ChunkError(f"version {version}: layout differs from this host's weight set {self.name!r}")
+        if index == 0 and version == self._version:  # a resend from the start: begin the version again
+            self._drop(abandon=False)
+        elif index == 0 and version == self._abandoned:  # a resend of a version given up on: welcome
+            self._abandoned = version - 1
         if self._version is None or version > self._version:
             if self._version is not None:
                 self._drop()
@@ -134,12 +148,21 @@ class ChunkAssembler:
             return None
         if self._received != total:
             raise ChunkError(f"version {version}: {self._received} bytes for a total of {total}")
+        if "sha256" in header:
+            got = hashlib.sha256(self._data).hexdigest()
+            if got != header["sha256"]:
+                self._drop()
+                raise ChunkError(f"version {version}: sha256 {got[:16]} of what arrived is not the sender's "
+                                 f"{str(header['sha256'])[:16]}; version abandoned")
+            self.digest = got
         self._reset()
         return self.writer.commit(version)
 
-    def _drop(self) -> None:
-        """Give up the version in progress: it is never committed, and its remaining chunks are refused."""
-        self._abandoned = max(self._abandoned, self._version)
+    def _drop(self, abandon: bool = True) -> None:
+        """Give up the version in progress: it is never committed, and (``abandon``) its remaining
+        chunks are refused until it is sent again from its first chunk."""
+        if abandon:
+            self._abandoned = max(self._abandoned, self._version)
         self.writer.abort()
         self._reset()
 

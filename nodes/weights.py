@@ -8,22 +8,41 @@ it, which is when the buffer of the version before it may be reused. Versions ar
 (lineage, version): a restarted trainer starts a new lineage from its checkpoint, possibly at a lower
 version, and that is announced as newer. A restarted broadcaster announces nothing until the trainer
 tells it the current version (the trainer resends it when it sees the restart). Simulated engines carry no
-weights (location ""); the shared-memory transport arrives with the RL issue.
+weights (location "").
 
-Run: areal-bus node weights --topology topology/default.yaml
+Hosts without shared memory with the trainer (areal_bus/placement.py: a host that runs rollout but not
+the trainer's rank 0) each run a relay, ``weights-<i>`` (this module, replica i >= 1). The broadcaster
+(replica 0, on the trainer's host) sends every version to each relay over the bus's chunked,
+checksummed transfer (areal_bus/weights_transfer.py; CURVE between hosts, as every socket), and
+announces it only once every live relay holds it, so a far worker never hears of a version its host
+lacks. A relay writes what it receives into its host's shared memory (the far workers map it there,
+areal_bus/engines/rollout_factory.py), checks the sender's sha256 before committing, acks on the hub,
+and frees a buffer when the version after it is committed. A relay that restarts (or missed chunks)
+is sent the current version again (RELAY_RESEND_S); it exits 0 when the trainer says the run finished.
+
+Run: areal-bus node weights --topology topology/default.yaml [--replica i]   (i >= 1: a relay)
 """
 
 from __future__ import annotations
 
 import time
 
+import msgpack
 import zmq
 
 from areal_bus import messages as m
+from areal_bus import placement
 from areal_bus.channels import Receiver, open_socket
 from areal_bus.constants import HEARTBEAT_INTERVAL_S, POLL_MS
 from areal_bus.node import NodeShell
 from areal_bus.version import NONE, PolicyVersion
+
+RELAY_RESEND_S = 10.0
+"""A live relay that has not acked the current version this long after it was sent gets it again (it
+restarted mid-transfer, or a chunk failed its checks). Long next to a version's transfer at the tiny
+shape (milliseconds) and at 1.5B over 100 Gb/s (~0.3 s); a slower link needs a longer one."""
+RELAY_HWM = 4
+"""Chunks queued per relay socket: at 64 MB each, 256 MB of a version in flight per far host."""
 
 
 class VersionBook:
@@ -61,13 +80,66 @@ class VersionBook:
         return None
 
 
+class RelayLink:
+    """The broadcaster's end towards one far host's relay: which version it holds (from its acks) and
+    the chunks of the version being sent, pumped without blocking so the hub is still served."""
+
+    def __init__(self, shell: NodeShell, host: str, replica: int):
+        self.host, self.node_id = host, f"weights-{replica}"
+        self.sock = open_socket(shell.ctx, zmq.PUSH, placement.relay_endpoint(shell.topo, host), bind=False,
+                                hwm=RELAY_HWM)
+        self.log = shell.log
+        self.holds = NONE
+        self.chunks = None  # iterator of (header, payload) being sent
+        self.pending: tuple | None = None  # a chunk that did not fit the queue yet
+        self.sent_at = -1e9
+        self.sending: PolicyVersion | None = None
+
+    def start(self, ann: m.VersionAnnounce, now: float) -> None:
+        from areal_bus.weights_transfer import chunk_frames
+
+        self.chunks = chunk_frames(ann.location, extra={"lineage": ann.lineage})
+        self.pending, self.sent_at, self.sending = None, now, PolicyVersion.of(ann)
+
+    def pump(self) -> bool:
+        """Send what fits; True once the whole version is queued (or there is nothing to send)."""
+        from areal_bus.weights_shm import WeightShmError
+
+        while self.chunks is not None:
+            if self.pending is None:
+                try:
+                    self.pending = next(self.chunks)
+                except StopIteration:
+                    self.chunks = None
+                    break
+                except WeightShmError:  # the buffer moved on under us: a newer version follows
+                    self.chunks = self.pending = None
+                    break
+            header, payload = self.pending
+            try:
+                self.sock.send_multipart([msgpack.packb(header), payload], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return False
+            self.pending = None
+            if "sha256" in header:  # the last chunk: the digest of the trainer's bytes, for the record
+                self.log.info("relay_sent", version=header["version"], lineage=header.get("lineage", ""),
+                              to=self.host, sha256=header["sha256"], chunks=header["count"],
+                              ms=round((time.monotonic() - self.sent_at) * 1000, 1))
+        return True
+
+
 def run(topo, replica: int = 0, base=None) -> int:
-    shell = NodeShell(topo, "weights", replica, base=base, watch=("rollout", "trainer"),
+    if replica > 0:
+        return run_relay(topo, replica, base)
+    shell = NodeShell(topo, "weights", replica, base=base, watch=("rollout", "trainer", "weights"),
                       topics=(m.TOPIC_VERSION_ACK,))
     shell.install_signal_handlers()
     pull = open_socket(shell.ctx, zmq.PULL, shell.endpoint("weights"), bind=True, hwm=16)
     inbox = Receiver(pull, shell.metrics, shell.log)
     book = VersionBook()
+    relays = {f"weights-{i}": RelayLink(shell, host, i)
+              for i, host in enumerate(placement.far_rollout_hosts(topo), start=1)}
+    announced = None  # the VersionAnnounce last made public (book.current waits for the relays)
     shell.announce_start()
     shell.start_heartbeat()
     poller = zmq.Poller()
@@ -77,7 +149,11 @@ def run(topo, replica: int = 0, base=None) -> int:
     try:
         while not shell.stopping.is_set():
             for _, msg in shell.drain_hub():
-                if isinstance(msg, m.VersionAck):
+                if isinstance(msg, m.VersionAck) and msg.node_id in relays:
+                    link = relays[msg.node_id]
+                    link.holds = max(link.holds, PolicyVersion(msg.lineage, msg.version)) \
+                        if msg.lineage == link.holds.lineage else PolicyVersion(msg.lineage, msg.version)
+                elif isinstance(msg, m.VersionAck):
                     book.ack(msg.node_id, msg.version, msg.lineage)
             for _, msg in inbox.drain():
                 if not isinstance(msg, m.WeightsReady):
@@ -86,12 +162,30 @@ def run(topo, replica: int = 0, base=None) -> int:
                 if book.offer(msg) is not None:
                     last_announce = 0.0
             now = time.monotonic()
-            if book.current is not None and now - last_announce >= HEARTBEAT_INTERVAL_S:
-                shell.publish(m.TOPIC_VERSION, book.current)
-                shell.policy = PolicyVersion.of(book.current)
+            cur = book.current
+            if cur is not None and relays and cur.location:
+                live = {p.node_id for p in shell.peers.alive("weights")}
+                for link in relays.values():
+                    if link.node_id in live and link.holds != PolicyVersion.of(cur) and (
+                            link.sending != PolicyVersion.of(cur) or now - link.sent_at > RELAY_RESEND_S):
+                        link.start(cur, now)
+                        shell.metrics.inc("relay_sends")
+                    link.pump()
+                # Announce once every live relay holds it: a far worker never hears of a version its
+                # host lacks (a dead relay's host has no live worker to wait for).
+                if any(link.node_id in live and link.holds != PolicyVersion.of(cur) for link in relays.values()):
+                    cur = announced
+            if cur is not None and cur is not announced:
+                announced, last_announce = cur, 0.0
+                if relays and cur.location:
+                    shell.log.info("relays_hold", version=cur.version,
+                                   ms=round((time.time() - cur.published_at) * 1000, 1))
+            if announced is not None and now - last_announce >= HEARTBEAT_INTERVAL_S:
+                shell.publish(m.TOPIC_VERSION, announced)
+                shell.policy = PolicyVersion.of(announced)
                 last_announce = now
             workers = [p.node_id for p in shell.peers.alive("rollout")]
-            v = book.newly_committed(workers)
+            v = book.newly_committed(workers) if announced is book.current else None
             if v is not None:
                 lag = time.time() - book.current.published_at
                 shell.metrics.inc("versions_committed")
@@ -101,5 +195,68 @@ def run(topo, replica: int = 0, base=None) -> int:
                                latency_ms=round(lag * 1000, 1))
             poller.poll(POLL_MS)
     finally:
+        shell.close()
+    return 0
+
+
+def run_relay(topo, replica: int, base=None) -> int:
+    """A far host's relay (see the module docstring): versions in over the network, into this host's
+    shared memory, acked on the hub."""
+    from areal_bus.engines.rollout_factory import relay_weight_set
+    from areal_bus.weights_shm import WeightShmError
+    from areal_bus.weights_transfer import ChunkAssembler
+
+    host = placement.relay_host(topo, replica)
+    shell = NodeShell(topo, "weights", replica, base=base, own_policy=True,
+                      topics=(m.TOPIC_VERSION_COMMITTED, m.TOPIC_RUN))
+    shell.install_signal_handlers()
+    pull = open_socket(shell.ctx, zmq.PULL, placement.relay_endpoint(topo, host), bind=True, hwm=RELAY_HWM)
+    name = relay_weight_set(topo, base)
+    assembler, lineage = ChunkAssembler(name), None
+    holds, t_first = NONE, None
+    shell.announce_start(host=host, weight_set=name)
+    shell.start_heartbeat()
+    last_ack = 0.0
+    finished = False
+    try:
+        while not shell.stopping.is_set() and not finished:
+            for _, msg in shell.drain_hub():
+                if isinstance(msg, m.VersionCommitted) and msg.lineage == holds.lineage and assembler.writer:
+                    assembler.writer.mark_released(msg.version - 1)  # every worker serves msg.version
+                elif isinstance(msg, m.RunState) and msg.finished:
+                    finished = True
+            while pull.poll(0):
+                head, payload = pull.recv_multipart(copy=False)
+                try:
+                    header = msgpack.unpackb(head.bytes)
+                    if not isinstance(header, dict):
+                        raise ValueError("a chunk header is a map")
+                    if header.get("lineage") != lineage:  # a restarted trainer: its own versions from here
+                        assembler.close()
+                        assembler, lineage = ChunkAssembler(name), header.get("lineage")
+                    if header.get("index") == 0:
+                        t_first = time.monotonic()
+                    location = assembler.add(header, payload)
+                except (ValueError, TypeError, msgpack.UnpackException, WeightShmError) as exc:
+                    # Tolerated: the version is not committed; the broadcaster sends it again.
+                    shell.metrics.inc("relay_chunks_refused")
+                    shell.log.warning("chunk_refused", error=str(exc)[:300])
+                    continue
+                if location is not None:
+                    holds = PolicyVersion(lineage or "", int(header["version"]))
+                    shell.policy = holds
+                    took = time.monotonic() - (t_first or time.monotonic())
+                    shell.metrics.inc("versions_received")
+                    shell.log.info("received", version=holds.version, location=location, sha256=assembler.digest,
+                                   nbytes=int(header["total"]), ms=round(took * 1000, 1))
+                    last_ack = 0.0
+            now = time.monotonic()
+            if holds != NONE and now - last_ack >= HEARTBEAT_INTERVAL_S:  # repeated: heals a lost ack
+                shell.publish(m.TOPIC_VERSION_ACK, m.VersionAck(node_id=shell.node_id, version=holds.version,
+                                                                lineage=holds.lineage))
+                last_ack = now
+            pull.poll(POLL_MS)
+    finally:
+        assembler.close()
         shell.close()
     return 0

@@ -313,3 +313,160 @@ def test_a_peer_on_the_other_host_without_the_key_gets_nothing_onto_the_bus(host
         except subprocess.TimeoutExpired:
             bus.kill()
             bus.wait(10)
+
+
+# -- the whole run across hosts: per-host renders, trainer ranks on both, real weights to host B --------
+
+RUN_STEPS = 10
+"""Updates of the final lineage (a trainer restarted without checkpoints starts over from model.path)."""
+
+
+def _real_topology(folder: Path, key_rel: str) -> dict:
+    return {
+        "name": "twohosts-real", "rollout_workers": 2, "train_workers": 2, "staleness_threshold": 2,
+        "queue_max_size": 128, "trigger_batch_size": 16, "global_batch_size": 32, "mini_batch_size": 16,
+        "learning_rate": 3e-4, "max_steps": RUN_STEPS,
+        "logging": {"log_dir": "logs", "log_interval": 2, "save_interval": 0},
+        "model": {"path": "models/tiny-guess", "dtype": "float32", "device": "cpu", "threads": 1},
+        "agent": {"via": "bus", "framework": "guess", "max_turns": 5, "task_size": 16, "group_size": 8},
+        "rollout_engine": {"kind": "torch", "max_batch": 32, "max_len": 256},
+        "trainer_engine": {"kind": "torch", "eval_interval": RUN_STEPS, "eval_episodes": 32},
+        "endpoints": {"transport": "tcp", "host": HOST_A, "base_port": BASE_PORT + 1000,
+                      "curve": {"key": key_rel}},
+        "nodes": {"bus": {}, "agent": {"replicas": 1}, "reward": {"replicas": 1}, "weights": {},
+                  "trainer": {"hosts": [HOST_A, HOST_B]}, "rollout": {"hosts": [HOST_A, HOST_B]}},
+    }
+
+
+def _host_folder(work: Path, name: str, keys: Path) -> Path:
+    """What a user copies to each host: the topology, the model folder, the CURVE keys (and the venv)."""
+    folder = work / name
+    folder.mkdir()
+    shutil.copytree(keys, folder / "keys")  # copy2 keeps the secret's mode 600
+    (folder / "models").mkdir()
+    (folder / "models" / "tiny-guess").symlink_to(REPO / "models" / "tiny-guess")
+    (folder / ".venv").symlink_to(REPO / ".venv")
+    (folder / "topology.yaml").write_text(yaml.safe_dump(_real_topology(folder, "keys/cluster.key_secret"),
+                                                         sort_keys=False))
+    return folder
+
+
+def _descendants(pid: int) -> list[int]:
+    kids = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        kids.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+def _lines(path: Path, event: str) -> list[dict]:
+    """key=value fields of the log lines of ``event`` (``[tag] event k=v ...``)."""
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        words = line.split()
+        if len(words) > 1 and words[1] == event:
+            out.append(dict(w.split("=", 1) for w in words[2:] if "=" in w))
+    return out
+
+
+def _wait(cond, timeout: float, what: str, show) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}\n{show()}")
+        time.sleep(0.3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trainer_ranks_and_weights_span_two_hosts_and_a_killed_host_rejoins(hosts, work):
+    from areal_bus.ledger import audit
+
+    _, key = make_keys(work / "keys")
+    a, b = _host_folder(work, "a", work / "keys"), _host_folder(work, "b", work / "keys")
+    for folder, host in ((a, HOST_A), (b, HOST_B)):
+        res = subprocess.run([str(venv_bin() / "areal-bus"), "render", "topology.yaml", "--host", host, "-o",
+                              "supervisord.conf"], cwd=folder, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+    procs: dict[str, subprocess.Popen] = {}
+
+    def start(name: str, folder: Path) -> None:
+        out = open(work / f"supervisord-{name}-{len(procs)}.out", "wb")
+        procs[name] = subprocess.Popen(hosts.cmd(name, [str(venv_bin() / "supervisord"), "-c",
+                                                        str(folder / "supervisord.conf")]),
+                                       cwd=folder, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env={k: v for k, v in os.environ.items() if k != "AREAL_BUS_RESUME"})
+
+    def show() -> str:
+        logs = [a / "logs" / n for n in ("train.log", "weights.log", "rollout.log")] + \
+            [b / "logs" / n for n in ("rollout.log", "weights.log")] + \
+            sorted((a / "logs" / "supervisor").glob("trainer-*.log")) + \
+            sorted((b / "logs" / "supervisor").glob("*.log"))
+        return "\n".join(f"--- {p}\n{p.read_text()[-1500:]}" for p in logs if p.exists())
+
+    def steps() -> list[dict]:
+        path = a / "logs" / "train_steps.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    try:
+        start("a", a)
+        start("b", b)
+        _wait(lambda: len([s for s in steps() if s.get("step", -1) >= 3]) >= 1, 150, "3 updates", show)
+        # Host B dies: its supervisord and every process under it, at once (kill -9).
+        for pid in _descendants(procs["b"].pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        procs["b"].wait(10)
+        # Rank 0 on A fails its next collective with rank 1 gone, and A's supervisord restarts it.
+        trainer_out = a / "logs" / "supervisor" / "trainer-0.log"
+        _wait(lambda: "cannot go on" in (trainer_out.read_text() if trainer_out.exists() else ""), 90,
+              "rank 0 to give up its broken process group", show)
+        start("b", b)  # the host comes back: its supervisord starts its programs again
+        try:
+            rc = procs["a"].wait(150)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the run did not finish after host B came back\n{show()}") from None
+        assert rc == 0, show()
+        assert procs["b"].wait(30) == 0, show()
+        result = audit(a / "logs")
+        assert result["finished"] and result["lost"] == 0 and result["duplicated"] == 0, result
+        # Every version B's far worker served was the trainer's, byte for byte (sha256).
+        sent: dict[str, set] = {}
+        for x in _lines(a / "logs" / "weights.log", "relay_sent"):
+            sent.setdefault(x["version"], set()).add(x["sha256"])
+        got = _lines(b / "logs" / "rollout.log", "weights_received")
+        assert len({x["version"] for x in got}) >= 3, show()
+        for x in got:
+            assert x["sha256"] in sent.get(x["version"], ()), (x, sent)
+        # ...and tagged its tokens with those versions.
+        tagged = {int(v) for v in re.findall(r"\[rollout\] step=\S+ .*?version=(\d+)",
+                                             (b / "logs" / "rollout.log").read_text())}
+        assert tagged and max(tagged) >= 1, tagged
+        # It learns: the held-out reward of the final lineage goes up from its start.
+        evals = [s for s in steps() if "eval_reward" in s]
+        print("evals", evals)
+        assert evals[-1]["eval_reward"] > evals[-2]["eval_reward"], evals
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                for pid in _descendants(p.pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                p.wait(10)

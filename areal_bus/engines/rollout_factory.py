@@ -3,8 +3,9 @@
 ``make_engine(topo, worker, replica, base)`` returns a ``BuiltRolloutEngine``: the engine (the
 ``RolloutEngine`` interface of ``engines.base``) and ``release_upto``, which lets go of the weight
 buffers the engine no longer reads. The worker calls both the same way whatever the engine's kind,
-so the choice of engine (sim, torch, vLLM) and of weight transport (shared memory, CUDA IPC) is made
-here and nowhere else.
+so the choice of engine (sim, torch, vLLM) and of weight transport (shared memory, CUDA IPC, and on a
+host without shared memory with the trainer the weight set its relay receives) is made here and
+nowhere else.
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ class WeightsUnavailable(RuntimeError):
     has and swaps at the next announcement."""
 
 
+class WeightsNotYetHere(WeightsUnavailable):
+    """On a host without shared memory with the trainer: the announced version has not reached this
+    host's weight relay yet (it restarted, or the announcement overtook the relay's ack). Unlike
+    WeightsUnavailable it is tried again at the broadcaster's next repeat of the announcement."""
+
+    retry = True
+
+
 class BuiltRolloutEngine(NamedTuple):
     engine: RolloutEngine
     """Generates: continuous batching, every token tagged with the version that produced it."""
@@ -34,7 +43,7 @@ def _keeps_nothing(version: int) -> None:
     copies each version into its parameters and lets the buffer go itself)."""
 
 
-def make_engine(topo, worker: str, replica: int, base=None) -> BuiltRolloutEngine:
+def make_engine(topo, worker: str, replica: int, base=None, log=None) -> BuiltRolloutEngine:
     """The engine ``topo.rollout_engine`` configures for rollout replica ``replica`` (node id ``worker``).
     Raises FileNotFoundError for a torch engine whose model.path holds no checkpoint, and ImportError
     (naming the extra to install) for vLLM where it is not installed."""
@@ -51,10 +60,45 @@ def make_engine(topo, worker: str, replica: int, base=None) -> BuiltRolloutEngin
         from areal_bus.engines.vllm_engine import engine_from_topology
 
         return BuiltRolloutEngine(engine_from_topology(topo, worker, replica, base), _keeps_nothing)
-    return _torch_engine(topo, worker, replica, base)
+    return _torch_engine(topo, worker, replica, base, log)
 
 
-def _torch_engine(topo, worker: str, replica: int, base) -> BuiltRolloutEngine:
+def relay_weight_set(topo, base=None) -> str:
+    """The weight set a host's relay writes the versions it receives into (on a far host)."""
+    return f"{topo.shm_name(base)}-relay"
+
+
+def _far_loader(topo, base, replica: int, log):
+    """The weight loader of a rollout worker on a host without shared memory with the trainer, or None
+    on the trainer's host. The announcement names the trainer's buffer; here the version is looked up
+    in this host's relayed weight set (areal_bus/placement.py, nodes/weights.py), and the sha256 of
+    what is served is logged (``weights_received``), to compare with the broadcaster's."""
+    from areal_bus import placement
+    from areal_bus.weights_shm import ShmWeightReader, WeightShmError, parse_location
+
+    if placement.host_of(topo, "rollout", replica) not in placement.far_rollout_hosts(topo):
+        return None
+    reader = ShmWeightReader(relay_weight_set(topo, base))
+
+    def load(location: str):
+        _, _, version = parse_location(location)
+        try:
+            local = reader.locate(version)
+            if local is None:
+                raise WeightsNotYetHere(f"{location}: version {version} is not on this host yet (its relay "
+                                        f"{reader.name} has not received it)")
+            state = reader.open(local)
+            digest = reader.digest(local)
+        except (OSError, WeightShmError) as exc:
+            raise WeightsNotYetHere(f"{location}: {exc}") from exc
+        if log is not None:
+            log.info("weights_received", version=version, local=local, sha256=digest)
+        return state
+
+    return reader, load
+
+
+def _torch_engine(topo, worker: str, replica: int, base, log=None) -> BuiltRolloutEngine:
     from areal_bus.engines.torch_engine import TorchRolloutEngine
     from areal_bus.weights_shm import ShmWeightReader, WeightShmError
 
@@ -88,6 +132,9 @@ def _torch_engine(topo, worker: str, replica: int, base) -> BuiltRolloutEngine:
             cuda_reader = (stamp, CudaWeightReader(load_handles(handles)))
         return cuda_reader[1].open(location)
 
+    far = _far_loader(topo, base, replica, log)
+    if far is not None:  # a host without shared memory with the trainer: its relay's weight set
+        reader, load_weights = far
     engine = TorchRolloutEngine(path, max_batch=cfg.max_batch, max_len=cfg.max_len, device=topo.model.device,
                                 dtype=topo.model.dtype, seed=topo.model.seed * 1000 + replica, worker=worker,
                                 weight_loader=load_weights)

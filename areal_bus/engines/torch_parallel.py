@@ -201,11 +201,21 @@ class ParallelTrainEngine(TorchTrainEngine):
         par = self.parallelism = topo.parallelism
         self.dp_size, self.tp_size = par.dp, par.tp
         self.group = group
-        device = rank_device(topo.trainer_device, group.rank)
+        # LOCAL_RANK (set by torch_dp) picks this host's GPU when the ranks span hosts.
+        device = rank_device(topo.trainer_device, int(os.environ.get("LOCAL_RANK", group.rank)))
         self.mesh = make_mesh(par.dp, par.tp, device.type)
         self._weights: dict[str, torch.Tensor] | None = None  # rank 0: the gathered weights of this version
         super().__init__(topo, model_path, publisher=publisher, dp=group, device=device)
         self._step_one_by_one()
+
+    def train(self, batch, version: int) -> dict:
+        # An update that raises leaves the other ranks inside a collective (or a rank is gone): the
+        # group cannot go on, so the process exits and supervisord restarts every rank (torch_dp).
+        try:
+            return super().train(batch, version)
+        except Exception as exc:  # noqa: BLE001 -- any: the ranks are out of step whatever it was
+            self.group.abort(exc)
+            raise
 
     def _prepare_model(self, policy):
         check_tp(policy.config, self.tp_size, f"model.path {self.model_path}")

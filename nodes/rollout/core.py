@@ -138,6 +138,10 @@ class RolloutCore:
             except WeightsUnavailable as exc:
                 # Tolerated: a trainer that crashed took its buffers along. What we serve is still
                 # whole (the engine copied it); the restarted trainer announces a newer lineage.
+                # On a far host the version may only not have arrived yet: tried again at the next repeat.
+                if getattr(exc, "retry", False):
+                    self.metrics.inc("weight_swaps_not_yet_here")
+                    return []
                 self.unavailable = self.announced
                 self.metrics.inc("weight_swaps_unavailable")
                 self.log.warning("weights_unavailable", version=self.announced.version,

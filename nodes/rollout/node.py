@@ -140,7 +140,7 @@ def run(topo, replica: int = 0, base=None) -> int:
                       own_policy=True)
     shell.install_signal_handlers()
     bus = _Sockets(shell, topo)
-    engine, release_upto = make_engine(topo, shell.node_id, replica, base)
+    engine, release_upto = make_engine(topo, shell.node_id, replica, base, log=shell.log)
     core = RolloutCore(engine, shell.node_id, topo.replicas("agent"), StepLog(topo), release_upto=release_upto,
                        metrics=shell.metrics, log=shell.log)
     shell.announce_start(engine=topo.rollout_engine.kind, max_batch=topo.rollout_engine.max_batch)
