@@ -305,7 +305,8 @@ def cached_import(source: str | Path, cache_root: str | Path, dtype: str = "floa
     with open(root / f"{key}.lock", "w") as lock, _locked(lock):
         if _is_import_of(folder, digest, dtype):
             return folder
-        for stale in root.glob(f"{stem}-*"):  # older sources or converter versions: 0.5 GB each
+        # older sources or converter versions, and what a killed conversion left (we hold the lock): 0.5 GB each
+        for stale in [*root.glob(f"{stem}-*"), *root.glob(f".{key}.*")]:
             if stale.is_dir() and stale.name != key:
                 shutil.rmtree(stale, ignore_errors=True)
         convert(source, folder, dtype, force=True, log=log)
