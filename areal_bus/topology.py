@@ -84,20 +84,57 @@ class DurabilityConfig(_Strict):
                                       "restarts it) once silent this long. 0: only logged.")
 
 
+_PLUGIN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*"
+
+
+class DatasetConfig(_Strict):
+    """``agent.dataset``: problems from a local jsonl or parquet file (areal_bus/tasks/dataset.py)."""
+
+    path: str = Field(..., min_length=1, description="The rows: a local .jsonl / .json / .parquet file, read "
+                      "with the datasets library (never from a hub). Relative to the supervisord.conf's folder.")
+    eval_path: str | None = Field(None, min_length=1, description="Held-out rows in a second file; None: "
+                                  "eval_fraction of path's rows are held out.")
+    eval_fraction: float = Field(0.1, gt=0, lt=1, description="Without eval_path: the share of path's rows held "
+                                 "out for evaluation (split with shuffle_seed).")
+    prompt_template: str = Field("{question}", min_length=1, description="The user message of a row: str.format "
+                                 "over its fields ('{question}', 'Solve: {problem}'; '{{' for a literal brace).")
+    answer_field: str = Field("answer", min_length=1, description="The row field holding the answer the 'math' "
+                              "task checks (and a task plug-in reads as ctx.dataset.answer(row)).")
+    shuffle_seed: int = Field(0, description="Seed of the train/eval split and of the order training rows are played in.")
+
+
 class AgentConfig(_Strict):
-    framework: Literal["sim", "guess"] = Field("sim", description="What plays episodes. 'sim': synthetic "
-                                               "prompts for the simulated engines; 'guess': the built-in "
-                                               "guess-the-number game (multi-turn, higher/lower feedback).")
+    framework: str = Field("sim", description="What plays episodes. 'sim': synthetic prompts for the simulated "
+                           "engines; 'guess': the built-in guess-the-number game (multi-turn, higher/lower "
+                           "feedback); 'math': the built-in dataset task (agent.dataset's rows, the final answer "
+                           "checked exactly; 'Wrong, try again.' between turns when max_turns > 1); or "
+                           "'package.module:Class', a task of your own (the interface: areal_bus/tasks/driver.py).",
+                           pattern=rf"^(sim|guess|math|{_PLUGIN})$")
     max_turns: int = Field(1, ge=1, le=1000, description="Turns per episode.")
+    max_tokens: int | None = Field(None, ge=1, le=1_000_000, description="Tokens per policy turn; None: the task's "
+                                   "own (guess 8, math 128).")
     via: Literal["bus", "gateway"] = Field("bus", description="How the agent reaches the policy: 'bus' (generation "
                                            "requests straight to rollout workers) or 'gateway' (the stock openai "
                                            "SDK against the gateway node, as a user's agent would).")
-    reward_source: Literal["rule", "passthrough"] = Field(
-        "rule", description="'rule': the task's verifier scores each trajectory; 'passthrough': keep the agent's reward.")
+    reward_source: str = Field(
+        "rule", pattern=rf"^(rule|passthrough|{_PLUGIN})$",
+        description="'rule': the task's verifier scores each trajectory; 'passthrough': keep the agent's reward; "
+        "'package.module:function': your verifier, called with the replayed episode (sync or async), returning "
+        "a float or a dict of named components (summed; each logged as reward.<name>).")
+    dataset: DatasetConfig | None = Field(None, description="Problems from a local jsonl/parquet file "
+                                          "(needed by 'math'; offered to a task plug-in as ctx.dataset).")
+    task_options: dict = Field(default_factory=dict, description="Passed to the task as ctx.options (math: "
+                               "system_prompt).")
     task_size: int = Field(16, ge=2, le=1_000_000, description="guess: the secret is in 1..task_size.")
     prompt_len: int = Field(128, ge=1, le=1_000_000, description="Prompt tokens per simulated episode.")
     group_size: int = Field(1, ge=1, le=1024, description="Samples per task instance (GRPO group).")
     seed: int = Field(0, description="Seed for simulated prompts and rewards.")
+
+    @model_validator(mode="after")
+    def _dataset_needed(self):
+        if self.framework == "math" and self.dataset is None:
+            raise ValueError("agent.framework 'math' needs agent.dataset (path, prompt_template, answer_field)")
+        return self
 
 
 class LengthDistribution(_Strict):
@@ -136,7 +173,7 @@ class RolloutEngineConfig(_Strict):
     kind: Literal["sim", "torch", "vllm"] = Field("sim", description="Generation engine. 'sim' models decode time; "
                                                   "'torch' generates with the model at model.path (KV cache, continuous "
                                                   "batching); 'vllm' does so with vLLM (pip install 'areal-bus[vllm]'; "
-                                                  "model.device cuda; never run yet, see the README).")
+                                                  "model.device cuda; the GPU engine, run on an H200: see the README's 'On a GPU').")
     max_len: int = Field(1024, ge=8, le=1_000_000, description="torch: KV-cache length per sequence (prompt + output).")
     temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature for training episodes.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass for training episodes.")
@@ -147,6 +184,9 @@ class RolloutEngineConfig(_Strict):
     swap_s: float = Field(0.005, ge=0, le=60, description="sim: pause to switch to new weights at a safe point.")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm: fraction of the GPU vLLM takes for "
                                           "weights, activations and KV cache; the trainer shares the GPU, leave it room.")
+    prefix_caching: bool = Field(True, description="vllm: reuse the keys/values of a prompt prefix an earlier "
+                                 "request computed under the same weights (a multi-turn agent's earlier turns); "
+                                 "never across a weight swap (areal_bus/engines/vllm_engine.py).")
     output_len: LengthDistribution = Field(default_factory=LengthDistribution)
 
 
@@ -325,9 +365,9 @@ class Topology(_Strict):
                              f"must be 'cuda' (choose the GPU with CUDA_VISIBLE_DEVICES), got {self.model.device!r}")
         if (self.agent.framework == "sim") != (self.rollout_engine.kind == "sim"):
             raise ValueError("agent.framework 'sim' goes with the sim engines, a real task with the torch engines")
-        if self.agent.via == "gateway" and (self.replicas("gateway") < 1 or self.agent.framework != "guess"):
+        if self.agent.via == "gateway" and (self.replicas("gateway") < 1 or self.agent.framework == "sim"):
             raise ValueError("agent.via 'gateway' needs a gateway node (nodes.gateway) and a real task "
-                             "(agent.framework 'guess')")
+                             "(agent.framework 'guess', 'math' or a task of your own)")
         gateway = self.nodes.gateway.config
         if gateway.max_context_tokens is None:  # the engine's sequence length is the gateway's context
             gateway.max_context_tokens = self.rollout_engine.max_len
@@ -428,7 +468,7 @@ class Topology(_Strict):
         return self.resolve(self.logging.log_dir, base)
 
     def ipc_dir(self, base: Path | None = None) -> Path:
-        """The ipc folder's name (``endpoint`` makes it, owner-only, through security.private_dir)."""
+        """The ipc folder's name (channels.open_socket makes it, owner-only, through security.private_dir)."""
         if self.endpoints.ipc_dir:
             return Path(self.endpoints.ipc_dir)
         # ipc paths are limited to ~107 bytes by the kernel, so not under a deep checkout.
@@ -454,11 +494,9 @@ class Topology(_Strict):
             spec = self.nodes.get(CHANNEL_OWNERS[channel])
             host = spec.host if spec is not None and spec.host != "localhost" else self.endpoints.host
             return f"tcp://{host}:{self.endpoints.base_port + _PORT_OFFSETS[channel] + replica}"
-        # Every node and client asks for an address before it opens a socket: the folder is made (or
-        # checked) here, so no socket is ever bound or connected in one another user could write.
-        from areal_bus.security import private_dir
-
-        return f"ipc://{private_dir(self.ipc_dir(base))}/{channel}-{replica}.sock"
+        # Only the name: channels.open_socket makes (or checks) the folder, through security.private_dir,
+        # before any socket binds or connects in it.
+        return f"ipc://{self.ipc_dir(base)}/{channel}-{replica}.sock"
 
     def curve_keys(self, base: Path | None = None):
         """The cluster's CURVE keys (security.CurveKeys), or None when the run does not use CURVE.
