@@ -269,7 +269,7 @@ def test_without_vllm_the_rollout_node_names_the_extra_to_install(monkeypatch):
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # in-process engine core: exact version tags
 
 
-# -- with vLLM (never run: no vLLM and no GPU where this was written) ----------------------------------
+# -- with vLLM on a GPU (run on an H200 with vLLM 0.25.1; skipped where either is missing) -----------
 
 
 @pytest.fixture(scope="module")

@@ -2,19 +2,21 @@
 a CUDA host. An optional extra: ``pip install 'areal-bus[vllm]'``; select it with
 ``rollout_engine.kind: vllm`` and ``model.device: cuda`` in the topology.
 
-NOT RUN: vLLM cannot be installed where this was written. The pure parts below (request to sampling
-parameters, outputs to completions, version tags, engine arguments, weight names and buffers) are
-unit-tested without vLLM (tests/test_vllm_engine.py); the class that drives vLLM is written against
-vLLM's documented API and has never executed. The README says the same.
+Run on one H200 with vLLM 0.25.1 (2026-12-01; installed there by scripts/gpu_vllm.sh): the GPU tests
+of tests/test_vllm_engine.py pass (logprobs against the trainer's recompute, a swap mid-request, the
+prefix cache and its salt, a CUDA IPC swap from another process), and bench/engine.py --vllm and
+bench/gpu_e2e.py --engine vllm measured it beside the torch engine (bench/RESULTS.md). The pure parts
+below (request to sampling parameters, outputs to completions, version tags, engine arguments, weight
+names and buffers) are also tested without vLLM, where CI runs.
 
-How it maps onto vLLM (v1 engine, vLLM >= 0.10.2):
+How it maps onto vLLM (v1 engine; written for vLLM >= 0.10.2, run on 0.25.1):
 
 - Generation goes through ``vllm.LLMEngine`` (``from_engine_args`` / ``add_request`` / ``step``), the
   offline step-at-a-time engine (docs.vllm.ai: examples/offline_inference/llm_engine_example.py). The
   request id is ours (vLLM keeps the caller's id on ``RequestOutput.request_id``, vllm PR #27987), the
   prompt is token ids (``TokensPrompt``), and ``SamplingParams(logprobs=0, output_kind=DELTA)`` returns,
   per step, only the new tokens with the log-probability of each sampled token.
-- Version tags are meant to be exact (unverified, like everything here that calls vLLM): one
+- Version tags are exact (tests/test_vllm_engine.py checks them on the GPU): one
   ``step()`` here is one model step and nothing runs between two calls: the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), asynchronous
   scheduling is off (it would return a batch one step late, across a swap) and outputs stream every
   step (``stream_interval=1``). A token returned by ``step()`` was computed by the weights in force
