@@ -39,9 +39,21 @@ def run_mode(mode: str, base: dict, model: Path, keep: Path | None) -> tuple[lis
 
 
 def curve(records: list[dict]) -> list[tuple[int, float, float]]:
-    """(updates done, seconds since the first record, eval reward) for every evaluation."""
+    """(updates done, seconds since the first record, eval metric) for every evaluation: held-out
+    accuracy where the task marks episodes correct (math), else the eval reward."""
     t0 = records[0]["t_end"]
-    return [(r["step"] + 1, r["t_end"] - t0, r["eval_reward"]) for r in records if r.get("eval_reward") is not None]
+    key = "eval_accuracy" if any(r.get("eval_accuracy") is not None for r in records) else "eval_reward"
+    return [(r["step"] + 1, r["t_end"] - t0, r[key]) for r in records if r.get(key) is not None]
+
+
+def lengths(records: list[dict]) -> str:
+    """Answer-length statistics of the evaluations (tokens per answer), where the trainer logs them."""
+    means = [r["eval_tokens_mean"] for r in records if r.get("eval_tokens_mean") is not None]
+    maxes = [r["eval_tokens_max"] for r in records if r.get("eval_tokens_max") is not None]
+    if not means:
+        return "no answer lengths logged"
+    return (f"eval answer tokens: mean {means[0]:.0f} at the first evaluation, {means[-1]:.0f} at the last; "
+            f"longest seen {max(maxes) if maxes else 'n/a'}")
 
 
 def save_plot(curves: dict, path: Path) -> None:
@@ -73,6 +85,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=None, help="updates per mode (default: the topology's max_steps)")
     p.add_argument("--plot", type=Path, default=ROOT / "bench" / "learning.png")
     p.add_argument("--keep-logs", type=Path, default=None)
+    p.add_argument("--set", nargs=2, action="append", metavar=("KEY", "VALUE"),
+                   help="override a topology field (dotted key, YAML value), e.g. --set learning_rate 5e-6")
     p.add_argument("--via", choices=("bus", "gateway"), default="bus",
                    help="how the agent reaches the policy (the default topology uses the gateway; 'bus' "
                         "skips the HTTP layer, which on 2 cores costs a third of the throughput)")
@@ -83,6 +97,16 @@ def main() -> int:
     base = yaml.safe_load(args.topology.read_text())
     if args.steps:
         base["max_steps"] = args.steps
+    for key, value in (args.set or []):  # e.g. --set learning_rate 5e-6 --set trainer_engine.eval_interval 5
+        *parents, leaf = key.split(".")
+        node = base
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    dataset = base.get("agent", {}).get("dataset") or {}
+    for key in ("path", "eval_path"):  # the systems run from a temporary folder: the repo's data by full path
+        if dataset.get(key) and not Path(dataset[key]).is_absolute():
+            dataset[key] = str(ROOT / dataset[key])
     base.setdefault("agent", {})["via"] = args.via
     if args.via == "bus":
         base.get("nodes", {}).pop("gateway", None)
@@ -98,6 +122,7 @@ def main() -> int:
     for mode in ("async", "sync"):
         records, wall = run_mode(mode, base, args.model.resolve(), args.keep_logs)
         res[mode] = (curve(records), wall, sum(r["samples"] for r in records))
+        print(f"  {mode}: {lengths(records)}", flush=True)
     print()
     print(f"{'update':>6}  {'async t(s)':>10} {'async eval':>10}  {'sync t(s)':>9} {'sync eval':>9}")
     a, s = res["async"][0], res["sync"][0]
