@@ -120,6 +120,9 @@ class GenerateRequest:
     meta: dict = field(default_factory=dict)
     stream: bool = False
     """Send PartialCompletions while it runs (gateway streams only; agents wait for the whole)."""
+    ignore_eos: bool = False
+    """Generate through the model's eos token(s): only ``stop`` ids and ``max_tokens`` end the request
+    (the longtail workload: every output is exactly max_tokens real generated tokens)."""
 
 
 @message("comp")

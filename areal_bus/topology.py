@@ -107,9 +107,11 @@ class AgentConfig(_Strict):
     framework: str = Field("sim", description="What plays episodes. 'sim': synthetic prompts for the simulated "
                            "engines; 'guess': the built-in guess-the-number game (multi-turn, higher/lower "
                            "feedback); 'math': the built-in dataset task (agent.dataset's rows, the final answer "
-                           "checked exactly; 'Wrong, try again.' between turns when max_turns > 1); or "
+                           "checked exactly; 'Wrong, try again.' between turns when max_turns > 1); 'longtail': "
+                           "one turn of max_tokens drawn from rollout_engine.output_len, eos ignored, rewarded "
+                           "by the share of target characters (areal_bus/tasks/longtail.py); or "
                            "'package.module:Class', a task of your own (the interface: areal_bus/tasks/driver.py).",
-                           pattern=rf"^(sim|guess|math|{_PLUGIN})$")
+                           pattern=rf"^(sim|guess|math|longtail|{_PLUGIN})$")
     max_turns: int = Field(1, ge=1, le=1000, description="Turns per episode.")
     max_tokens: int | None = Field(None, ge=1, le=1_000_000, description="Tokens per policy turn; None: the task's "
                                    "own (guess 8, math 128).")
@@ -126,7 +128,8 @@ class AgentConfig(_Strict):
     task_options: dict = Field(default_factory=dict, description="Passed to the task as ctx.options (math: "
                                "system_prompt).")
     task_size: int = Field(16, ge=2, le=1_000_000, description="guess: the secret is in 1..task_size.")
-    prompt_len: int = Field(128, ge=1, le=1_000_000, description="Prompt tokens per simulated episode.")
+    prompt_len: int = Field(128, ge=1, le=1_000_000, description="Prompt tokens per simulated episode "
+                            "(longtail: prompt characters).")
     group_size: int = Field(1, ge=1, le=1024, description="Samples per task instance (GRPO group).")
     seed: int = Field(0, description="Seed for simulated prompts and rewards.")
 

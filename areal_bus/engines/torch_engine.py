@@ -164,7 +164,8 @@ class TorchRolloutEngine:
         if req.max_tokens < 1:
             raise ValueError(f"request {req.request_id}: max_tokens={req.max_tokens} < 1")
         # String stops need a tokenizer and are the gateway's to apply; ints are token ids.
-        stops = frozenset(int(s) for s in req.stop if isinstance(s, (int, np.integer))) | self.eos_token_ids
+        stops = frozenset(int(s) for s in req.stop if isinstance(s, (int, np.integer)))
+        stops |= frozenset() if req.ignore_eos else self.eos_token_ids
         self._pending.append(_Seq(req, prompt, len(prompt), stops, time.time()))
 
     def peek(self, request_id: str) -> list[int]:

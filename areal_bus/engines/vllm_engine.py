@@ -46,7 +46,7 @@ How it maps onto vLLM (v1 engine; written for vLLM >= 0.10.2, run on 0.25.1):
   (a reset would have to wait for running requests, or preempt them; the salt needs neither, and the
   old blocks age out of the cache as any unused block does).
 - Stops: ``ignore_eos`` plus an explicit ``stop_token_ids`` (the checkpoint config's ``eos_token_id``
-  and the request's integer stops), and vLLM's generation_config defaults are not loaded
+  and the request's integer stops; the eos ids left out for a request with ``ignore_eos``), and vLLM's generation_config defaults are not loaded
   (``generation_config="vllm"``): the request alone says how to sample, as with the torch engine. The
   stop token is part of the output, as there.
 
@@ -106,7 +106,7 @@ def sampling_spec(req: GenerateRequest, eos_token_ids: Iterable[int]) -> dict:
     return {
         "n": 1, "temperature": float(req.temperature), "top_p": float(req.top_p), "max_tokens": int(req.max_tokens),
         "logprobs": 0,  # 0 = only the sampled token's log-probability
-        "ignore_eos": True, "stop_token_ids": sorted(stops | {int(t) for t in eos_token_ids}),
+        "ignore_eos": True, "stop_token_ids": sorted(stops | (set() if req.ignore_eos else {int(t) for t in eos_token_ids})),
         "detokenize": False,  # token ids are the product; text would cost CPU per step
     }
 

@@ -17,7 +17,8 @@ What a task gets:
     does all the token work;
   - ``ctx.dataset``: the ``agent.dataset`` rows (``tasks.dataset.DatasetSplits``: ``prompt(row)`` fills
     the prompt template, ``answer(row)`` reads the answer field) or None;
-  - ``ctx.max_turns``, ``ctx.options`` (``agent.task_options``), ``ctx.agent`` (the whole AgentConfig);
+  - ``ctx.max_turns``, ``ctx.options`` (``agent.task_options``), ``ctx.agent`` (the whole AgentConfig),
+    ``ctx.topology`` (the whole Topology);
   - in ``reset``: the instance's ``seed`` and, with a dataset, its ``row`` (seed i < EVAL_SEED_BASE is
     training row i of the shuffled train split; EVAL_SEED_BASE + i is held-out row i), else None.
 
@@ -28,7 +29,10 @@ What an episode returns (``reset``'s result; ``guess.Episode`` and ``math_task.M
   - ``reward``: a float, or a dict of named components (the reward is their sum; each component is
     kept on the trajectory as ``meta['reward_components']`` and logged per update as
     ``reward.<name>``);
-  - optionally ``correct`` (bool): the held-out evaluation reports its mean as ``eval_accuracy``.
+  - optionally ``correct`` (bool): the held-out evaluation reports its mean as ``eval_accuracy``;
+  - optionally ``max_tokens`` (int): this episode's tokens per turn, over the driver's (the longtail
+    task draws one per episode), and ``ignore_eos`` (bool): its turns generate through eos, ended only
+    by max_tokens (agents over the bus honour both).
 
 ``agent.reward_source: package.module:function`` replaces the episode's own ``reward``:
 ``function(episode)`` (sync or ``async def``) gets the finished episode, replayed from the
@@ -69,6 +73,8 @@ class TaskContext:
     dataset: object | None = None
     options: dict = field(default_factory=dict)
     agent: object | None = None
+    topology: object | None = None
+    """The whole Topology (the longtail task reads rollout_engine.output_len from it)."""
 
 
 # --- token-level helpers: the driver appends ids, it never re-tokenises what the engine sampled ------

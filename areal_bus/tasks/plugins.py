@@ -21,7 +21,7 @@ from pathlib import Path
 from areal_bus.tasks.dataset import DatasetError, DatasetSplits
 from areal_bus.tasks.driver import TaskContext, TaskDriver
 
-BUILTIN_TASKS = ("guess", "math")
+BUILTIN_TASKS = ("guess", "math", "longtail")
 """Built-in task names (besides ``sim``, the simulated engines' synthetic prompts)."""
 
 
@@ -98,6 +98,10 @@ def task_class(agent, base: Path | None = None):
         from areal_bus.tasks.math_task import MathTask
 
         return MathTask, "math"
+    if fw == "longtail":
+        from areal_bus.tasks.longtail import LongtailTask
+
+        return LongtailTask, "longtail"
     cls = resolve("agent.framework", fw, base)
     check_task_class("agent.framework", fw, cls)
     return cls, fw
@@ -131,6 +135,10 @@ def check_agent(topo, base: Path | None = None) -> list[str]:
             check(agent, base)
         except (PluginError, DatasetError) as err:
             problems.append(str(err))
+    if agent.framework == "longtail":
+        from areal_bus.tasks.longtail import check_limits
+
+        problems += check_limits(topo)
     return problems
 
 
@@ -145,7 +153,7 @@ def make_driver(topo, base: Path | None = None, tokenizer=None) -> TaskDriver:
     cls, name = task_class(agent, base)
     dataset = load_dataset(agent, base)
     ctx = TaskContext(tokenizer=tokenizer, max_turns=agent.max_turns, dataset=dataset,
-                      options=dict(getattr(agent, "task_options", {})), agent=agent)
+                      options=dict(getattr(agent, "task_options", {})), agent=agent, topology=topo)
     task = cls(agent.task_size, agent.max_turns) if name == "guess" else cls(ctx)
     return TaskDriver(task, tokenizer, name=name, dataset=dataset, max_tokens=getattr(agent, "max_tokens", None),
                       reward_fn=reward_fn(agent, base))

@@ -122,7 +122,9 @@ class EpisodeSource:
             # mode takes whatever the worker serves (its tokens are tagged with it).
             request_id=rid, episode_id=eid, ticket=ep.record.ticket,
             min_version=0 if self.topo.is_async else self.version,
-            max_tokens=self.driver.max_tokens, temperature=self.topo.rollout_engine.temperature,
+            # An episode may set its own turn length and generate through eos (tasks/driver.py).
+            max_tokens=int(getattr(ep.state, "max_tokens", 0) or self.driver.max_tokens),
+            ignore_eos=bool(getattr(ep.state, "ignore_eos", False)), temperature=self.topo.rollout_engine.temperature,
             top_p=self.topo.rollout_engine.top_p, prompt_ids=ep.record.next_prompt(),
             reply_to=self.replica, group_id=ep.record.group_id)
         self.requests[rid] = _Req(req, now)
