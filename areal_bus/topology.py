@@ -84,6 +84,19 @@ class DurabilityConfig(_Strict):
                                       "restarts it) once silent this long. 0: only logged.")
 
 
+class StalenessConfig(_Strict):
+    """``staleness``: how staleness_threshold is enforced beyond admission (README: Knobs)."""
+
+    drop_at_consume: bool = Field(True, description="true: besides AReaL's admission rule, the trainer drops (counts "
+                                  "and acknowledges as stale; the admission slot comes back) every sample whose "
+                                  "oldest token is more than staleness_threshold versions behind when its batch "
+                                  "forms, so no trained sample is over the bound. false: the admission rule only, "
+                                  "as in AReaL: a sample that finished late (a long output overtaken by short "
+                                  "ones) is trained anyway, its staleness counted (over_bound per update), and the "
+                                  "decoupled objective's behav_imp_weight_cap masks its tokens whose behaviour "
+                                  "importance weight is too far off.")
+
+
 _PLUGIN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*"
 
 
@@ -311,6 +324,9 @@ class Topology(_Strict):
                                "Set either: left at 1, one follows the other (train_workers alone is dp).")
     staleness_threshold: int = Field(2, ge=0, le=64, description="Policy versions a trajectory may lag when consumed; "
                                      "1 is nearly synchronous, 8 risks divergence, 2-4 recommended.")
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig, description="How staleness_threshold is "
+                                       "enforced: at admission always, at consumption too unless "
+                                       "drop_at_consume is false.")
     queue_max_size: int = Field(256, ge=1, le=1_000_000, description="Trajectory queue capacity; past it producers "
                                 "see backpressure (high-water marks and bounded node queues), never silent loss.")
     trigger_batch_size: int = Field(16, ge=1, le=1_000_000, description="Ready samples that trigger one update "

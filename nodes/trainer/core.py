@@ -1,8 +1,16 @@
 """The trainer's logic without sockets: what it accepts, when it trains, what it tells the others.
 
 ``TrainQueue`` is the consumption side of the scheduler: it suppresses duplicates by trajectory id,
-bounds the buffer at queue_max_size, drops anything over the staleness bound, and forms batches
-oldest-first once trigger_batch_size samples are ready (exactly global_batch_size in synchronous mode).
+bounds the buffer at queue_max_size, drops anything over the staleness bound (with
+``staleness.drop_at_consume``, the default), and forms batches oldest-first once trigger_batch_size
+samples are ready (exactly global_batch_size in synchronous mode).
+
+The staleness bound, in the two senses ``staleness.drop_at_consume`` chooses between: true, no sample
+is trained whose oldest token is more than staleness_threshold versions behind the weights it updates
+(it is dropped when its batch forms); false, the bound is AReaL's admission rule alone (no episode
+starts unless it could be consumed within staleness_threshold versions), every admitted sample is
+trained, and those trained over the threshold are counted per update (``over_bound`` in
+train_steps.jsonl, the ``trained_over_bound`` metric) beside the batch's staleness histogram.
 
 ``TrainerCore`` holds the run's protocol state (version and lineage, the run epoch, the consumed ids,
 the trained total and the per-source totals that admission is computed from) and the spool. Each
@@ -132,6 +140,7 @@ class Job:
     state: dict = field(default_factory=dict)  # save: the run state the checkpoint gets (write_run_state)
     covers: list = field(default_factory=list)  # save: spool rows it covers, pruned once the next one is sealed
     probe: str = ""  # train: "" a batch; "half" or "whole" of the suspects that died most often (TrainerCore.begin)
+    over_bound: int = 0  # train: samples over staleness_threshold in the batch (drop_at_consume false only)
 
 
 @dataclass
@@ -325,11 +334,12 @@ class TrainerCore:
         out = Out()
         if self.done:
             return out
-        stale = self.queue.drop_stale(self.version)
+        drop = self.topo.staleness.drop_at_consume
+        stale = self.queue.drop_stale(self.version) if drop else []
         if stale:
             out.add(self._drop_stale(stale, now))
-        if over := [t for t, _ in self.suspects.values() if is_over_stale(self.version, t.start_version,
-                                                                           self.queue.staleness)]:
+        if over := [t for t, _ in self.suspects.values() if drop and is_over_stale(self.version, t.start_version,
+                                                                                   self.queue.staleness)]:
             for t in over:
                 del self.suspects[t.traj_id]
             out.add(self._drop_stale(over, now))
@@ -345,11 +355,15 @@ class TrainerCore:
         hist = collections.Counter(staleness_of(self.version, t.start_version) for t in batch)
         for s, c in hist.items():
             self.metrics.observe("staleness", s, c)
+        over_bound = sum(c for s, c in hist.items() if s > self.queue.staleness)  # 0 with drop_at_consume
+        if over_bound:
+            self.metrics.inc("trained_over_bound", over_bound)
         wait = now - self.idle_since
         self.metrics.inc("idle_seconds", wait)
         every = self.topo.trainer_engine.eval_interval
         out.job = Job("train", self.version, now, batch=batch, evaluate=every > 0 and (self.version + 1) % every == 0,
-                      wait_s=wait, staleness={str(k): c for k, c in sorted(hist.items())}, probe=probe)
+                      wait_s=wait, staleness={str(k): c for k, c in sorted(hist.items())}, probe=probe,
+                      over_bound=over_bound)
         return out
 
     def _probe(self) -> tuple[str, list[m.Trajectory] | None]:
@@ -419,7 +433,8 @@ class TrainerCore:
         out.logs.append(("info", "step", line))
         out.steps.append({"step": step, "train_s": took, "wait_s": job.wait_s,
                           "samples": len(job.batch), "tokens": tokens, "stale_dropped": self.queue.stale,
-                          "duplicates": self.queue.duplicates, **stats, "staleness": job.staleness})
+                          "duplicates": self.queue.duplicates, **stats, "staleness": job.staleness,
+                          "over_bound": job.over_bound})
         self.window["samples"] += len(job.batch)
         self.window["tokens"] += tokens
         if self.version % self.topo.logging.log_interval == 0:
