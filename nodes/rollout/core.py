@@ -9,11 +9,14 @@ requests and drives the engine's decode steps; each call returns what to send an
     replies += core.step()                    # one decode step: (ReplyTo, Completion) of those that ended
     for j, part in core.partials(): ...       # streamed gateway requests' new tokens
 
-``nodes.rollout.node`` wires it to the bus.
+``BatchSeries`` samples the running batch over time (``rollout_batch-<node>.jsonl`` in the log folder:
+how empty the engine gets in a long tail; bench/gpu_e2e.py summarises it). ``nodes.rollout.node`` wires
+it all to the bus.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterable, Literal, NamedTuple
 
 import numpy as np
@@ -63,6 +66,32 @@ class StepLog:
         line = {"step": self.step, "generated": self.generated, "tokens": self.tokens}
         self.generated = self.tokens = 0
         return line
+
+
+BATCH_SAMPLE_S = 0.5
+"""How often the running batch is sampled: fine enough to see a batch drain in the tail of a round of
+long outputs (seconds on a GPU), coarse enough that a long run's series stays small (7,200 lines an hour)."""
+
+
+class BatchSeries:
+    """The running batch over time, one record per ``every`` seconds: wall time ``t``, ``running``
+    (sequences in the engine), ``free`` (slots), ``waiting`` (requests held for a version),
+    ``max_batch``, the ``version`` served and ``tokens`` (output tokens of finished requests so far)."""
+
+    def __init__(self, max_batch: int, every: float = BATCH_SAMPLE_S):
+        self.max_batch = max_batch
+        self.every = every
+        self.next_at = float("-inf")
+
+    def sample(self, core: "RolloutCore", now: float) -> dict | None:
+        """The record due at monotonic time ``now``, or None."""
+        if now < self.next_at:
+            return None
+        self.next_at = now + self.every
+        engine = core.engine
+        return {"t": round(time.time(), 3), "running": len(engine.running_ids), "free": int(engine.free_slots),
+                "waiting": len(core.waiting), "max_batch": self.max_batch, "version": int(engine.version),
+                "tokens": int(core.metrics.counters.get("tokens", 0))}
 
 
 class RolloutCore:

@@ -10,11 +10,15 @@ will still answer, and sends the others to the remaining workers now), finishes 
 ROLLOUT_DRAIN_S while anyone is there to take the answers, then says on the hub that it left: what it
 still held (cut off by the deadline, or waiting for a version) is reissued at once.
 
+Telemetry: every BATCH_SAMPLE_S it appends a record of its running batch (running, free slots, waiting,
+version, tokens) to ``rollout_batch-<node>.jsonl`` in the log folder (nodes/rollout/core.py: BatchSeries).
+
 Run: areal-bus node rollout --topology topology/default.yaml --replica 0
 """
 
 from __future__ import annotations
 
+import json
 import time
 
 import zmq
@@ -24,7 +28,7 @@ from areal_bus.channels import Receiver, ReliableSender, open_socket
 from areal_bus.constants import POLL_MS, ROLLOUT_DRAIN_S, WORK_HWM
 from areal_bus.engines.rollout_factory import make_engine
 from areal_bus.node import LEAVING, NodeShell
-from nodes.rollout.core import Reply, RolloutCore, StepLog
+from nodes.rollout.core import BatchSeries, Reply, RolloutCore, StepLog
 
 
 class _Sockets:
@@ -145,10 +149,16 @@ def run(topo, replica: int = 0, base=None) -> int:
                        metrics=shell.metrics, log=shell.log)
     shell.announce_start(engine=topo.rollout_engine.kind, max_batch=topo.rollout_engine.max_batch)
     shell.start_heartbeat()
+    series = BatchSeries(topo.rollout_engine.max_batch)
+    # Appended (a restarted worker continues the file), a line at a time: bench reads it after the run.
+    series_file = open(shell.log_dir / f"rollout_batch-{shell.node_id}.jsonl", "a", buffering=1)
     try:
         while not shell.stopping.is_set():
             _turn(shell, bus, core)
+            if (rec := series.sample(core, time.monotonic())) is not None:
+                series_file.write(json.dumps(rec) + "\n")
         _leave(shell, bus, core)
     finally:
+        series_file.close()
         shell.close()
     return 0
