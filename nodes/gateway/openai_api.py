@@ -266,10 +266,30 @@ def _check_tool_choice(req: ChatRequest) -> None:
                       "'required' or a named function).", param="tool_choice", code="invalid_value")
 
 
+RESPONSE_ID_KINDS = ("chatcmpl-", "resp_", "cmpl-")
+"""How a session's response ids begin, each followed by ``<session id>-<n>``, n the index of its first
+completion in the session; choice k of the response is completion n + k (a legacy completion's choices
+run prompt by prompt, as its response lists them). Chat completions (and Anthropic messages, whose
+``msg_`` id is not sent back), Responses, legacy completions."""
+
+
+def _completion_first(cid, session_id: str) -> int | None:
+    """The first completion index a response id of this session names, None if it is not one."""
+    if not isinstance(cid, str):
+        return None
+    for kind in RESPONSE_ID_KINDS:
+        prefix = f"{kind}{session_id}-"
+        n = cid[len(prefix):]
+        if cid.startswith(prefix) and n.isascii() and n.isdigit():  # no sign, no spaces, no other digits
+            return int(n)
+    return None
+
+
 def reward_fields(body, session_id: str) -> tuple[float, int | None, float | None]:
     """(reward, completion index or None, discount or None) from a POST /rl/sessions/{id}/reward (or /end)
     body: {"reward": x} for the session, plus "completion_index": k or "completion_id": <response id>
-    (with "choice": i for n > 1) for one completion, and "discount": g for per-turn discounting."""
+    (chatcmpl-, resp_ or cmpl-<session>-<n>; with "choice": i for n > 1) for one completion, and
+    "discount": g for per-turn discounting."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "The body must be a JSON object with 'reward'.", code="invalid_body")
     value = body.get("reward")
@@ -282,14 +302,15 @@ def reward_fields(body, session_id: str) -> tuple[float, int | None, float | Non
     index = body.get("completion_index")
     cid = body.get("completion_id")
     if cid is not None:
-        prefix = f"chatcmpl-{session_id}-"
-        if not isinstance(cid, str) or not cid.startswith(prefix) or not cid[len(prefix):].isdigit():
+        first = _completion_first(cid, session_id)
+        if first is None:
+            shapes = ", ".join(f"{kind}{session_id}-<n>" for kind in RESPONSE_ID_KINDS)
             raise OpenAIError(400, f"Invalid 'completion_id': expected a response id of this session "
-                              f"({prefix}<n>).", param="completion_id", code="invalid_value")
+                              f"({shapes}).", param="completion_id", code="invalid_value")
         choice = body.get("choice", 0)
         if isinstance(choice, bool) or not isinstance(choice, int) or choice < 0:
             raise OpenAIError(400, "Invalid 'choice': a choice index (>= 0).", param="choice", code="invalid_value")
-        index = int(cid[len(prefix):]) + choice
+        index = first + choice
     elif index is not None and (isinstance(index, bool) or not isinstance(index, int)):
         raise OpenAIError(400, "Invalid 'completion_index': an integer.", param="completion_index",
                           code="invalid_value")
@@ -343,11 +364,14 @@ def token_logprobs(tokenizer, ids, logprobs) -> dict:
 
 def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens: int,
                         completion_tokens: int, created: int | None = None) -> dict:
-    """``choices``: dicts with message, finish_reason and optionally logprobs."""
+    """``choices``: dicts with message, finish_reason and optionally logprobs and stop_reason (the stop
+    string that ended the choice, as vLLM names it; the Anthropic reply's stop_sequence)."""
     return {
         "id": rid, "object": "chat.completion", "created": created or int(time.time()), "model": model,
         "choices": [{"index": i, "message": c["message"], "logprobs": c.get("logprobs"),
-                     "finish_reason": c["finish_reason"]} for i, c in enumerate(choices)],
+                     "finish_reason": c["finish_reason"],
+                     **({"stop_reason": c["stop_reason"]} if c.get("stop_reason") is not None else {})}
+                    for i, c in enumerate(choices)],
         "usage": usage(prompt_tokens, completion_tokens),
         "system_fingerprint": None,
     }
