@@ -68,7 +68,7 @@ async def main(args) -> int:
                 session = await r.json()
             with tempfile.TemporaryDirectory() as home:  # Claude Code's config and history stay out of ~
                 env = {**os.environ, "HOME": home, "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": session["api_key"],
-                       "ANTHROPIC_MODEL": session["model"], "ANTHROPIC_SMALL_FAST_MODEL": session["model"],
+                       "ANTHROPIC_MODEL": session["model"], "ANTHROPIC_DEFAULT_HAIKU_MODEL": session["model"],
                        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1"}
                 proc = await asyncio.create_subprocess_exec(
                     claude, "-p", PROMPT, "--system-prompt", "You play a number guessing game.", "--tools", "",

@@ -320,3 +320,28 @@ def test_anthropic_stop_sequences_end_with_stop_sequence_named_streamed_and_not(
     gw2 = gateway(backend=ScriptedBackend(["no stop here"]))
     plain = claude(gw2).messages.create(**kw)
     assert (plain.stop_reason, plain.stop_sequence) == ("end_turn", None)
+
+
+# -- Responses: the fields test_gateway_responses.py does not already show -------------------------------
+
+@pytest.mark.parametrize("field, value", [
+    ("conversation", "conv_1"), ("prompt", {"id": "pmpt_1"}), ("max_tool_calls", 2),
+    ("context_management", [{"type": "compaction"}]), ("service_tier", "flex"), ("seed", 1),
+], ids=["conversation", "prompt", "max_tool_calls", "context_management", "service_tier-flex", "seed"])
+def test_a_responses_field_the_gateway_cannot_honour_is_a_400_naming_it(gateway, field, value):
+    gw = gateway(backend=ScriptedBackend([]))
+    with pytest.raises(openai.BadRequestError) as err:
+        gw.client().responses.create(model=POLICY, input="hi", extra_body={field: value})
+    assert err.value.param == field, err.value.body
+
+
+def test_responses_bookkeeping_fields_are_accepted_and_echoed_and_strict_is_accepted(gateway):
+    gw = gateway(backend=ScriptedBackend(["fine"]))
+    tool = {"type": "function", "name": "get_weather", "description": "Weather.", "strict": True,
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                           "additionalProperties": False}}
+    r = gw.client().responses.create(model=POLICY, input="hi", tools=[tool], metadata={"run": "7"}, user="u1",
+                                     safety_identifier="s1", prompt_cache_key="k1", service_tier="auto",
+                                     truncation="disabled")
+    assert r.output_text == "fine"
+    assert (r.metadata, r.user, r.safety_identifier, r.prompt_cache_key) == ({"run": "7"}, "u1", "s1", "k1")
