@@ -282,7 +282,8 @@ def test_anthropic_disable_parallel_tool_use_returns_one_tool_use(gateway, choic
     ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, "context_management"),
     ({"inference_geo": "us"}, "inference_geo"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]},
+    ({"messages": [{"role": "user", "content": [{"type": "image",
+                                                 "source": {"type": "url", "url": "http://x/y.png"}}]}]},
      "messages.0.content.0"),
 ], ids=["top_k", "output_format", "container", "mcp_servers", "unknown", "any-no-tools", "tool-unknown",
         "context-edit", "inference_geo", "server-tool", "image"])
