@@ -1,34 +1,51 @@
-"""One-GPU end to end: the guess-the-number agent task at the Qwen2-0.5B shape, torch engines on one
-GPU, asynchronous against synchronous, samples/s of each and the ratio, in one run.
+"""One-GPU end to end: an agent workload at a Qwen2 shape, torch (or vLLM) rollout and the torch trainer
+on one GPU, asynchronous against synchronous in one run: samples/s, tokens/s, the ratio, the trainer's
+busy fraction, the rollout engine's running batch over time, the staleness histogram and the drops.
 
 The whole system runs as it does for a user: supervisord starts the bus, agents, one rollout worker,
 reward, trainer and weight broadcaster as processes; the rollout worker and the trainer share the GPU
-and hand each version over by CUDA IPC. The policy has the Qwen2-0.5B body (hidden 896, 24 layers,
-14 heads, 2 kv heads, intermediate 4864) with seeded random weights in bf16 and the shipped tiny
+and hand each version over by CUDA IPC. The policy has a Qwen2 body (``--shape 0.5b``: hidden 896, 24
+layers, 14 heads, 2 kv heads, intermediate 4864; ``1.5b``: hidden 1536, 28 layers, 12/2 heads,
+intermediate 8960; ``tiny``: the shipped model's own) with seeded random weights and the shipped tiny
 model's character-level tokenizer (so the vocabulary, and the embedding, are the tokenizer's, not
-Qwen's 151,936): throughput is the point here, not what it learns. Samples/s counts the samples the
-trainer consumed after the first ``--skip`` updates (CUDA start-up and warm-up excluded).
+Qwen's 151,936): throughput is the point here, not what it learns.
 
-``--engine vllm`` puts the rollout worker on vLLM (``rollout_engine.kind: vllm``, prefix caching on,
-weights loaded from the trainer's CUDA IPC buffers into vLLM's own between steps) instead of the torch
-engine; everything else is the same.
+Workloads (``--workload``):
+  guess     the multi-turn guess-the-number task (a few tokens a turn, up to 5 turns);
+  longtail  the seed's shape (areal_bus/tasks/longtail.py): one turn of max_tokens drawn per episode
+            from a lognormal (``--median 500 --sigma 0.8``, clipped ``--min-len 200 --max-len 3000``),
+            eos ignored, so the lengths are real generated tokens.
 
-Run:  python3 bench/gpu_e2e.py                    (on the GPU machine: ~2-4 min)
+Runs (``--runs``, each ``MODE[:STALENESS[:DROP]]``, e.g. ``async:2:true async:2:false async:4 sync``;
+default: every --modes x --staleness x --drop-at-consume, sync once; sync runs first): DROP is
+``staleness.drop_at_consume`` (README: Knobs); a synchronous run has neither. Every async run's ratio
+is over the sync run of the same invocation. Samples/s and tokens/s (generated tokens) count what the
+trainer consumed after the first ``--skip`` updates (CUDA start-up and warm-up excluded); the running
+batch (rollout_batch-*.jsonl, a record every 0.5 s) is summarised over that same window: min / median /
+max running sequences and the share of time below half of max_batch.
+
+Run:  python3 bench/gpu_e2e.py                    (on the GPU machine: guess at 0.5B, ~2-4 min)
+      bash scripts/gpu_headline.sh                (issue 15's table: longtail at 0.5B, both policies)
       bash scripts/gpu_vllm.sh python3 bench/gpu_e2e.py --engine vllm      (vLLM installed by that script)
       python3 bench/gpu_e2e.py --device cuda:0 --trainer-device cuda:1   (two GPUs: rollout and trainer apart)
-      .venv/bin/python bench/gpu_e2e.py --tiny --device cpu --steps 4 --skip 1   (a CPU smoke run)
+      .venv/bin/python bench/gpu_e2e.py --shape tiny --device cpu --steps 4 --skip 1   (a CPU smoke run)
+      .venv/bin/python bench/gpu_e2e.py --shape tiny --device cpu --workload longtail --batch 8 --steps 4 \\
+          --skip 1 --median 24 --min-len 8 --max-len 96 --runs async:2:true async:2:false sync
 
-The last line is ``RESULT async_sps=... sync_sps=... ratio=...``.
+The last line is ``RESULT workload=... engine=... <run>_sps=... <run>_ratio=... ...``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import platform
+import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -36,22 +53,31 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.harness import run_system  # noqa: E402
+from bench.harness import run_logged  # noqa: E402
 
-QWEN2_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, max_position_embeddings=4096)
+SHAPES = {
+    "tiny": {},
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, max_position_embeddings=4096),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960, max_position_embeddings=4096),
+}
+"""Qwen2 bodies (Qwen2-0.5B's and Qwen2-1.5B's config.json, less the vocabulary)."""
+
+TEMPLATE_TOKENS = 16
+"""Room for the chat template around a longtail prompt (areal_bus/tasks/longtail.py keeps the same)."""
 
 
-def build_model(out: Path, tiny: bool, dtype: str) -> int:
-    """The tiny model's config and tokenizer with the 0.5B body, seeded random weights."""
+def build_model(out: Path, shape: str, dtype: str, max_len: int) -> int:
+    """The tiny model's config and tokenizer with the chosen body, seeded random weights."""
     import shutil
 
     from areal_bus.modeling import make_random_model, num_params, save_pretrained
 
     src = ROOT / "models" / "tiny-guess"
     cfg = json.loads((src / "config.json").read_text())
-    if not tiny:
-        cfg.update(QWEN2_05B)
+    cfg.update(SHAPES[shape])
+    cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], max_len)
     model = make_random_model(cfg, seed=0, dtype=dtype)
     save_pretrained(model, out)
     for f in src.iterdir():
@@ -60,33 +86,124 @@ def build_model(out: Path, tiny: bool, dtype: str) -> int:
     return num_params(model)
 
 
-def topology(model: Path, mode: str, args) -> dict:
+@dataclass(frozen=True)
+class Run:
+    mode: str  # async | sync
+    staleness: int
+    drop: bool
+
+    @property
+    def name(self) -> str:
+        return "sync" if self.mode == "sync" else f"async_s{self.staleness}_{'drop' if self.drop else 'keep'}"
+
+    @property
+    def label(self) -> str:
+        if self.mode == "sync":
+            return "sync"
+        return f"async s{self.staleness} {'drop' if self.drop else 'keep'}"
+
+
+def parse_runs(args) -> list[Run]:
+    def flag(text: str) -> bool:
+        if text not in ("true", "false"):
+            raise SystemExit(f"--drop-at-consume / --runs: {text!r} is not true or false")
+        return text == "true"
+
+    if args.runs:
+        runs = []
+        for spec in args.runs:
+            parts = spec.split(":")
+            if parts[0] not in ("async", "sync") or len(parts) > 3:
+                raise SystemExit(f"--runs {spec!r}: MODE[:STALENESS[:DROP]] with MODE async or sync")
+            staleness = int(parts[1]) if len(parts) > 1 else args.staleness[0]
+            runs.append(Run(parts[0], staleness, flag(parts[2]) if len(parts) > 2 else True))
+        return runs
+    runs = [Run("async", s, flag(d)) for s in args.staleness for d in args.drop_at_consume] if "async" in args.modes else []
+    return runs + ([Run("sync", 0, True)] if "sync" in args.modes else [])
+
+
+def max_len_of(args) -> int:
+    if args.workload == "guess":
+        return 256
+    return args.prompt_len + TEMPLATE_TOKENS + args.max_len + 16
+
+
+def topology(model: Path, run: Run, args) -> dict:
     topo = yaml.safe_load((ROOT / "topology" / "default.yaml").read_text())
     topo.update(
-        name=f"e2e-{mode}", rollout_workers=1, max_steps=args.steps, staleness_threshold=args.staleness,
+        name=f"e2e-{run.name}", rollout_workers=1, max_steps=args.steps, staleness_threshold=run.staleness,
+        staleness={"drop_at_consume": run.drop},
         queue_max_size=4 * args.batch, trigger_batch_size=args.trigger or args.batch // 2, global_batch_size=args.batch,
         mini_batch_size=args.batch // 2, logging={"log_dir": "logs", "log_interval": 5, "save_interval": 0},
         model={"path": str(model), "dtype": args.dtype, "device": args.device, "trainer_device": args.trainer_device,
                "threads": 1 if args.device == "cpu" else 4},
-        rollout_engine={"kind": args.engine, "max_batch": args.rollout_batch, "max_len": 256, "temperature": 1.0,
+        rollout_engine={"kind": args.engine, "max_batch": args.rollout_batch, "max_len": max_len_of(args),
+                        "temperature": 1.0,
                         **({"gpu_memory_utilization": args.gpu_memory_utilization} if args.engine == "vllm" else {})},
         trainer_engine={"kind": "torch", "eps_clip": 0.2, "behav_imp_weight_cap": 5.0, "eval_interval": 0},
         nodes={"bus": {}, "agent": {"replicas": args.agents}, "reward": {"replicas": 1}, "trainer": {}, "weights": {}},
     )
-    topo["agent"] = {**topo["agent"], "via": "bus"}
-    topo["async"] = {"enabled": mode == "async"}
+    topo["agent"] = {**topo["agent"], "via": "bus", "group_size": args.group_size}
+    if args.workload == "longtail":
+        topo["agent"].update(framework="longtail", max_turns=1, prompt_len=args.prompt_len)
+        topo["rollout_engine"]["output_len"] = {"dist": "lognormal", "median": args.median, "sigma": args.sigma,
+                                                "min": args.min_len, "max": args.max_len}
+    topo["async"] = {"enabled": run.mode == "async"}
     return topo
 
 
-def samples_per_second(records: list[dict], skip: int) -> tuple[float, int, float]:
+# -- what a run left, summarised ------------------------------------------------------------------
+
+@dataclass
+class Summary:
+    sps: float
+    tps: float
+    samples: int
+    span: float
+    busy: float
+    batch: str
+    below_half: float
+    staleness: dict
+    dropped: int
+    over_bound: int
+    trained: int
+
+
+def counted_steps(records: list[dict], skip: int) -> tuple[list[dict], float]:
+    """The updates counted (after ``skip``) and the wall time their window starts at."""
     steps = sorted((r for r in records if r["step"] >= 0), key=lambda r: r["step"])
     if len(steps) <= skip:
         raise RuntimeError(f"only {len(steps)} updates; need more than --skip {skip}")
-    counted = steps[skip:]
     t0 = steps[skip - 1]["t_end"] if skip else steps[0]["t_end"] - steps[0]["train_s"]
-    span = counted[-1]["t_end"] - t0
+    return steps[skip:], t0
+
+
+def batch_summary(series: dict[str, list[dict]], t0: float, t1: float) -> tuple[str, float]:
+    """'min/median/max of max_batch' running sequences over [t0, t1], and the share of that time below
+    half of max_batch (every worker's samples pooled)."""
+    recs = [r for recs in series.values() for r in recs if t0 <= r["t"] <= t1]
+    if not recs:
+        return "-", float("nan")
+    running = [r["running"] for r in recs]
+    below = sum(r["running"] < r["max_batch"] / 2 for r in recs) / len(recs)
+    return f"{min(running)}/{statistics.median(running):g}/{max(running)} of {recs[0]['max_batch']}", below
+
+
+def summarise(logs, skip: int) -> Summary:
+    counted, t0 = counted_steps(logs.records, skip)
+    t1 = counted[-1]["t_end"]
+    span = t1 - t0
     samples = sum(r["samples"] for r in counted)
-    return samples / span, samples, span
+    generated = sum(r.get("generated", r["tokens"]) for r in counted)
+    hist = collections.Counter()
+    for r in counted:
+        hist.update({int(k): v for k, v in r.get("staleness", {}).items()})
+    steps = [r for r in logs.records if r["step"] >= 0]
+    batch, below = batch_summary(logs.batch, t0, t1)
+    return Summary(sps=samples / span, tps=generated / span, samples=samples, span=span,
+                   busy=sum(r["train_s"] for r in counted) / span, batch=batch, below_half=below,
+                   staleness=dict(sorted(hist.items())), dropped=max((r.get("stale_dropped", 0) for r in steps), default=0),
+                   over_bound=sum(r.get("over_bound", 0) for r in steps), trained=sum(r["samples"] for r in steps))
 
 
 def main() -> int:
@@ -94,44 +211,80 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--trainer-device", default=None, help="the trainer's GPU when not --device (e.g. cuda:1)")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--tiny", action="store_true", help="the tiny model's own shape (a smoke run)")
-    ap.add_argument("--steps", type=int, default=12, help="updates per mode")
+    ap.add_argument("--shape", default="0.5b", choices=sorted(SHAPES), help="the policy's Qwen2 body")
+    ap.add_argument("--tiny", action="store_true", help="the same as --shape tiny (a smoke run)")
+    ap.add_argument("--workload", default="guess", choices=["guess", "longtail"])
+    ap.add_argument("--steps", type=int, default=12, help="updates per run")
     ap.add_argument("--skip", type=int, default=2, help="first updates left out of samples/s")
     ap.add_argument("--batch", type=int, default=128, help="global_batch_size (trigger = half)")
     ap.add_argument("--trigger", type=int, default=0, help="trigger_batch_size (default: half the batch)")
-    ap.add_argument("--staleness", type=int, default=2)
+    ap.add_argument("--staleness", type=int, nargs="+", default=[2], help="staleness_threshold(s) of the async runs")
+    ap.add_argument("--drop-at-consume", nargs="+", default=["true"], help="staleness.drop_at_consume: true, false or both")
+    ap.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
+    ap.add_argument("--runs", nargs="+", default=None, help="MODE[:STALENESS[:DROP]] ... (overrides the three above)")
     ap.add_argument("--rollout-batch", type=int, default=256, help="the rollout engine's max_batch")
     ap.add_argument("--agents", type=int, default=2)
+    ap.add_argument("--group-size", type=int, default=8, help="GRPO group (samples per prompt)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="longtail: prompt characters (= tokens here)")
+    ap.add_argument("--median", type=float, default=500.0, help="longtail: median output tokens")
+    ap.add_argument("--sigma", type=float, default=0.8, help="longtail: lognormal shape")
+    ap.add_argument("--min-len", type=int, default=200, help="longtail: shortest output (clip)")
+    ap.add_argument("--max-len", type=int, default=3000, help="longtail: longest output (clip)")
     ap.add_argument("--keep-logs", type=Path, default=None)
     ap.add_argument("--engine", default="torch", choices=["torch", "vllm"], help="the rollout engine")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vllm: its share of the GPU")
-    ap.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
+    ap.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
     args = ap.parse_args()
+    if args.tiny:
+        args.shape = "tiny"
+    if args.batch // args.agents < args.group_size:
+        # Each agent admits whole groups out of its share of the batch: a share smaller than a group
+        # admits nothing, and a synchronous run would wait forever.
+        ap.error(f"--batch {args.batch} / --agents {args.agents} is less than one --group-size {args.group_size}")
     if args.device == "cpu" and args.dtype == "bfloat16":
         args.dtype = "float32"
+    # The sync baseline first, so each async row can print its ratio as it ends.
+    runs = sorted(parse_runs(args), key=lambda r: r.mode != "sync")
     work = Path(tempfile.mkdtemp(prefix="ab-e2e-model-"))
-    n = build_model(work / "model", args.tiny, args.dtype)
+    n = build_model(work / "model", args.shape, args.dtype, max_len_of(args))
     hw = platform.processor() or platform.machine()
     if args.device.startswith("cuda"):
         import torch
 
         hw = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}; rollout on " \
              f"{args.device}, trainer on {args.trainer_device or args.device}"
-    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {hw}; policy {n / 1e6:.0f}M params ({args.dtype}), "
-          f"global batch {args.batch}, trigger {args.trigger or args.batch // 2}, staleness {args.staleness}, "
-          f"{args.agents} agents, {args.steps} updates per mode, first {args.skip} "
-          f"left out; rollout engine {args.engine}", flush=True)
-    out = {}
-    for mode in args.modes:
+    lengths = (f"longtail: prompt {args.prompt_len}, outputs lognormal median {args.median:g} sigma {args.sigma:g} "
+               f"clipped {args.min_len}..{args.max_len}, eos ignored" if args.workload == "longtail" else "guess")
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {hw}; policy {args.shape} {n / 1e6:.0f}M params "
+          f"({args.dtype}); {lengths}; global batch {args.batch}, trigger {args.trigger or args.batch // 2}, "
+          f"{args.agents} agents, {args.steps} updates per run, first {args.skip} left out; rollout engine "
+          f"{args.engine}, max_batch {args.rollout_batch}", flush=True)
+    print(f"{'run':18s} {'samples/s':>9s} {'tokens/s':>9s} {'ratio':>5s} {'busy':>5s} {'running batch':>20s} "
+          f"{'<half':>5s}  {'dropped':>12s} {'over_bound':>10s}  staleness histogram (counted updates)", flush=True)
+    results: dict[Run, Summary] = {}
+    for run in runs:
         t0 = time.monotonic()
-        records, wall = run_system(topology(work / "model", mode, args), mode, args.keep_logs, timeout=900)
-        sps, samples, span = samples_per_second(records, args.skip)
-        train_s = sum(r["train_s"] for r in records if r["step"] >= args.skip)
-        out[mode] = sps
-        print(f"{mode:6s} {sps:9.1f} samples/s  ({samples} samples in {span:.1f} s; trainer busy "
-              f"{100 * train_s / span:.0f}%; wall {wall:.0f} s incl. start, {time.monotonic() - t0:.0f} s)", flush=True)
-    ratio = out["async"] / out["sync"] if len(out) == 2 else float("nan")
-    print(f"RESULT engine={args.engine} " + " ".join(f"{m}_sps={v:.2f}" for m, v in out.items()) + f" ratio={ratio:.2f}")
+        logs = run_logged(topology(work / "model", run, args), run.name, args.keep_logs, timeout=args.timeout)
+        results[run] = s = summarise(logs, args.skip)
+        sync = next((v for r, v in results.items() if r.mode == "sync"), None)
+        ratio = f"{s.sps / sync.sps:5.2f}" if sync is not None and run.mode == "async" else "    -"
+        seen = s.trained + s.dropped
+        print(f"{run.label:18s} {s.sps:9.1f} {s.tps:9.0f} {ratio} {100 * s.busy:4.0f}% {s.batch:>20s} "
+              f"{100 * s.below_half:4.0f}%  {s.dropped:5d} ({100 * s.dropped / max(1, seen):3.0f}%) {s.over_bound:10d}  "
+              f"{' '.join(f'{k}:{v}' for k, v in s.staleness.items())}   ({s.samples} samples in {s.span:.1f} s; "
+              f"wall {logs.wall:.0f} s incl. start, {time.monotonic() - t0:.0f} s)", flush=True)
+    sync = next((v for r, v in results.items() if r.mode == "sync"), None)
+    fields = [f"workload={args.workload}", f"shape={args.shape}", f"engine={args.engine}"]
+    for run, s in results.items():
+        fields += [f"{run.name}_sps={s.sps:.2f}", f"{run.name}_tps={s.tps:.0f}", f"{run.name}_busy={s.busy:.2f}",
+                   f"{run.name}_dropped={s.dropped}", f"{run.name}_over_bound={s.over_bound}"]
+        if run.mode == "async" and sync is not None:
+            fields.append(f"{run.name}_ratio={s.sps / sync.sps:.2f}")
+    if sync is not None:  # the ratios of the first async run before any other (the old RESULT's keys)
+        first = next((s for r, s in results.items() if r.mode == "async"), None)
+        if first is not None:
+            fields += [f"async_sps={first.sps:.2f}", f"sync_sps={sync.sps:.2f}", f"ratio={first.sps / sync.sps:.2f}"]
+    print("RESULT " + " ".join(fields))
     return 0
 
 

@@ -1,5 +1,6 @@
 """Shared by the benchmarks: run a whole areal_bus system from a topology dict under a real supervisord,
-in a fresh short temp folder, until it ends by itself; return the trainer's step records."""
+in a fresh short temp folder, until it ends by itself; return the trainer's step records (``run_system``),
+or those with the rollout workers' running-batch series (``run_logged``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -18,8 +20,24 @@ from areal_bus.render import write_conf
 from areal_bus.topology import parse_topology
 
 
+@dataclass
+class RunLogs:
+    """What a finished run left: the trainer's step records, the wall time, and per rollout worker its
+    running-batch series (logs/rollout_batch-<node>.jsonl: nodes/rollout/core.py BatchSeries)."""
+
+    records: list[dict]
+    wall: float
+    batch: dict[str, list[dict]] = field(default_factory=dict)
+
+
 def run_system(topo: dict, name: str, keep: Path | None = None, timeout: float = 3600) -> tuple[list[dict], float]:
     """(records of logs/train_steps.jsonl, wall seconds). ``keep``: copy the logs to keep/name."""
+    logs = run_logged(topo, name, keep, timeout)
+    return logs.records, logs.wall
+
+
+def run_logged(topo: dict, name: str, keep: Path | None = None, timeout: float = 3600) -> RunLogs:
+    """``run_system`` with the rollout workers' running-batch series too."""
     work = Path(tempfile.mkdtemp(prefix=f"ab-{name}-", dir="/tmp"))  # ipc paths must stay short
     try:
         path = work / "topology.yaml"
@@ -37,7 +55,9 @@ def run_system(topo: dict, name: str, keep: Path | None = None, timeout: float =
         if proc.returncode != 0:
             raise RuntimeError(f"{name}: supervisord exited {proc.returncode}")
         lines = (work / "logs" / "train_steps.jsonl").read_text().splitlines()
-        return [json.loads(line) for line in lines], wall
+        batch = {f.name[len("rollout_batch-"):-len(".jsonl")]: [json.loads(x) for x in f.read_text().splitlines() if x]
+                 for f in sorted((work / "logs").glob("rollout_batch-*.jsonl"))}
+        return RunLogs([json.loads(line) for line in lines], wall, batch)
     finally:
         if keep is not None and (work / "logs").exists():
             shutil.copytree(work / "logs", keep / name, dirs_exist_ok=True)

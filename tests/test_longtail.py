@@ -13,7 +13,6 @@ import pytest
 import yaml
 
 from areal_bus import messages as m
-from areal_bus.engines.sim import draw_length
 from areal_bus.tasks.plugins import check_agent, make_driver
 from areal_bus.tasks.runner import load_tokenizer, verify
 from areal_bus.topology import parse_topology
@@ -40,23 +39,22 @@ def tok():
     return load_tokenizer(TINY)
 
 
-def test_each_episode_draws_its_max_tokens_from_output_len_and_ignores_eos(tok):
-    topo = _topo()
+def test_each_episode_draws_its_own_max_tokens_from_output_len_and_ignores_eos(tok):
+    topo = _topo(agent={"group_size": 4})
     driver = make_driver(topo, tokenizer=tok)
     src = EpisodeSource(topo, 0, 1, driver)
     src.start_episodes(0.0)
     reqs = src.to_send
     assert len(reqs) >= 8
-    for req in reqs:
-        seed = src.episodes[req.episode_id].record.meta["seed"]
-        rng = np.random.default_rng(seed)
-        from areal_bus.tasks.longtail import random_prompt
-
-        random_prompt(rng, 24)  # the prompt comes first from the seed's generator, then the length
-        assert req.max_tokens == draw_length(topo.rollout_engine.output_len, rng)
-        assert req.ignore_eos and 8 <= req.max_tokens <= 120
-    # The lengths vary (a long tail, not one fixed length), and the prompt is prompt_len characters.
-    assert len({r.max_tokens for r in reqs}) > 3
+    assert all(r.ignore_eos and 8 <= r.max_tokens <= 120 for r in reqs)
+    assert len({r.max_tokens for r in reqs}) > 3  # a spread of lengths, not one
+    # A GRPO group plays one prompt, each member with a length of its own (drawn per request, as the sim).
+    groups = {}
+    for r in reqs:
+        groups.setdefault(r.group_id, []).append(r)
+    for members in groups.values():
+        assert len({tuple(r.prompt_ids) for r in members}) == 1
+    assert any(len({r.max_tokens for r in members}) > 1 for members in groups.values())
     ep = next(iter(src.episodes.values())).state
     assert len(ep.messages[0]["content"]) == 24
 
@@ -64,27 +62,26 @@ def test_each_episode_draws_its_max_tokens_from_output_len_and_ignores_eos(tok):
 def test_lengths_follow_the_lognormal_median_and_clip():
     topo = _topo(rollout_engine={"output_len": {"dist": "lognormal", "median": 500, "sigma": 0.8,
                                                 "min": 200, "max": 3000}, "max_len": 4096})
-    from areal_bus.tasks.longtail import LongtailTask
     from areal_bus.tasks.driver import TaskContext
+    from areal_bus.tasks.longtail import LongtailTask
 
     task = LongtailTask(TaskContext(tokenizer=None, topology=topo))
     lengths = np.array([task.reset(s).max_tokens for s in range(2000)])
     assert lengths.min() == 200 and lengths.max() == 3000  # both clips are hit
     assert 430 < np.median(lengths) < 570
-    assert task.reset(7).max_tokens == task.reset(7).max_tokens  # the seed is the instance
+    assert task.reset(7).messages == task.reset(7).messages  # the seed is the prompt
 
 
-def test_reward_is_the_share_of_target_characters_over_max_tokens(tok):
+def test_reward_is_the_share_of_target_characters_in_the_output(tok):
     driver = make_driver(_topo(), tokenizer=tok)
     ep = driver.reset(3)
-    n = ep.max_tokens
-    ep.step("7" * (n // 2) + "a" * (n - n // 2))
-    assert driver.score(ep)[0] == pytest.approx((n // 2) / n)
-    short = driver.reset(3)
-    short.step("12")  # special tokens decode to nothing: they count as misses
-    assert driver.score(short)[0] == pytest.approx(2 / n)
+    ep.step("7" * 30 + "a" * 10)
+    assert driver.score(ep)[0] == pytest.approx(0.75)
+    empty = driver.reset(3)
+    empty.step("")  # all special tokens: nothing to score
+    assert driver.score(empty)[0] == 0.0
     other = make_driver(_topo(agent={"task_options": {"target": "ab"}}), tokenizer=tok).reset(3)
-    other.step("a" * n)
+    other.step("ab" * 5)
     assert other.reward == 1.0
 
 
@@ -136,8 +133,8 @@ def test_the_torch_engine_generates_exactly_max_tokens_through_eos(tok, one_torc
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_longtail_trains_a_few_updates_under_supervisord(tmp_path):
-    """The tiny policy on longtail, asynchronously, under supervisord: each update's samples are the
-    drawn lengths (tokens = the sum of max_tokens of its episodes), rewards in [0, 1]."""
+    """The tiny policy on longtail, asynchronously, under supervisord, in GRPO groups of 4: each
+    update's samples are of the drawn lengths (generated tokens within the clip), rewards in [0, 1]."""
     sys.path.insert(0, str(ROOT))
     from bench.harness import run_system
 
@@ -152,12 +149,13 @@ def test_longtail_trains_a_few_updates_under_supervisord(tmp_path):
         trainer_engine={"kind": "torch", "eval_interval": 0},
         nodes={"bus": {}, "agent": {"replicas": 1}, "reward": {"replicas": 1}, "trainer": {}, "weights": {}},
     )
-    topo["agent"] = {"framework": "longtail", "prompt_len": 32, "max_turns": 1, "reward_source": "rule", "via": "bus"}
+    topo["agent"] = {"framework": "longtail", "prompt_len": 32, "max_turns": 1, "reward_source": "rule", "via": "bus",
+                     "group_size": 4}
     records, wall = run_system(topo, "longtail", keep=tmp_path, timeout=110)
     steps = [r for r in records if r["step"] >= 0]
     assert [r["step"] for r in steps] == [0, 1, 2]
     for r in steps:
-        assert r["samples"] >= 4 and 8 * r["samples"] <= r["tokens"] <= 96 * r["samples"]
+        assert r["samples"] >= 4 and 8 * r["samples"] <= r["generated"] <= 96 * r["samples"]
         assert 0.0 <= r["reward"] <= 1.0
     # The rollout worker's running-batch series was written where the bench reads it.
     series = list((tmp_path / "longtail").glob("rollout_batch-*.jsonl"))

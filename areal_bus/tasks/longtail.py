@@ -2,20 +2,23 @@
 
 One turn per episode. The prompt is ``agent.prompt_len`` characters of random lowercase words (that
 many tokens with the project's character-level tokenizer; fewer with a BPE one), drawn from the
-episode seed. The turn's ``max_tokens`` is drawn from the same seed out of
+episode seed (a GRPO group plays one prompt). Each episode's ``max_tokens`` is drawn afresh out of
 ``rollout_engine.output_len`` (the simulated engines' length model, ``engines.sim.draw_length``:
-lognormal, median 500, clipped to 200..3000 by default), and the request ignores eos
-(``GenerateRequest.ignore_eos``), so every output is exactly that many tokens the policy really
-generated: synchronous RL waits for the longest of them, as it does on real agent traces.
+lognormal, median 500, clipped to 200..3000 by default; seeded by the episode seed and the count of
+episodes this task has started, so the members of a group get lengths of their own, as the sim draws
+one per request), and
+the request ignores eos (``GenerateRequest.ignore_eos``), so every output is exactly that many tokens
+the policy really generated: synchronous RL waits for the longest of them, as on real agent traces.
 
-Reward (a real function of what was generated, so PPO has a signal): the share of the output made of
-target characters, ``task_options.target`` (default the digits 0-9),
+Reward (a real function of what was generated, so PPO has a signal): the share of the output text's
+characters that are target ones, ``task_options.target`` (default the digits 0-9),
 
-    reward = (target characters in the output text) / max(characters in it, max_tokens)
+    reward = (target characters in the output text) / (characters in it)     (0 for an empty text)
 
-in [0, 1]; with a character-level tokenizer it is exactly the fraction of generated tokens that are
-target ones (special tokens, which decode to nothing, count as misses). A random policy over the tiny
-tokenizer's 99 ids scores about 0.1.
+in [0, 1]; with a character-level tokenizer, the fraction of generated tokens that are target ones
+among those that are not special (eos and the chat markers decode to nothing). A random policy over the
+tiny tokenizer's 99 ids scores about 0.1. The reward reads only the text, so the reward node's replay
+(from the seed and the sampled text) needs no length.
 
 Use it with ``agent.framework: longtail`` (rollout_engine.max_len must hold prompt_len, the chat
 template's few tokens and output_len.max: ``check_limits``). bench/gpu_e2e.py --workload longtail runs
@@ -78,7 +81,7 @@ class LongtailEpisode:
     def reward(self) -> float:
         """Share of target characters (see the module docstring); 0.0 before the turn."""
         hits = sum(ch in self._target for ch in self.output)
-        return hits / max(len(self.output), self.max_tokens, 1)
+        return hits / len(self.output) if self.output else 0.0
 
 
 class LongtailTask:
@@ -98,12 +101,13 @@ class LongtailTask:
         if not self.target:
             raise ValueError("agent.task_options.target: the longtail reward needs at least one target character")
         self.max_tokens = self.lengths.max  # the driver's per-turn default; each episode draws its own
+        self.started = 0  # episodes reset so far: with the seed, what a length is drawn from
 
     def reset(self, seed: int, row: dict | None = None) -> LongtailEpisode:
-        """The episode of ``seed``: the same prompt and max_tokens every time (the reward node replays it)."""
-        rng = np.random.default_rng(seed)
-        prompt = random_prompt(rng, self.prompt_len)
-        max_tokens = draw_length(self.lengths, rng)
+        """The episode of ``seed``: its prompt (the same every time), and a max_tokens of its own."""
+        prompt = random_prompt(np.random.default_rng(seed), self.prompt_len)
+        self.started += 1
+        max_tokens = draw_length(self.lengths, np.random.default_rng([seed, self.started]))
         return LongtailEpisode([{"role": "user", "content": prompt}], max_tokens, self.target)
 
 

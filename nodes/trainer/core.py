@@ -434,7 +434,7 @@ class TrainerCore:
         out.steps.append({"step": step, "train_s": took, "wait_s": job.wait_s,
                           "samples": len(job.batch), "tokens": tokens, "stale_dropped": self.queue.stale,
                           "duplicates": self.queue.duplicates, **stats, "staleness": job.staleness,
-                          "over_bound": job.over_bound})
+                          "over_bound": job.over_bound, "generated": sum(int(t.loss_mask.sum()) for t in job.batch)})
         self.window["samples"] += len(job.batch)
         self.window["tokens"] += tokens
         if self.version % self.topo.logging.log_interval == 0:
