@@ -230,7 +230,9 @@ def main() -> int:
     ap.add_argument("--sigma", type=float, default=0.8, help="longtail: lognormal shape")
     ap.add_argument("--min-len", type=int, default=200, help="longtail: shortest output (clip)")
     ap.add_argument("--max-len", type=int, default=3000, help="longtail: longest output (clip)")
-    ap.add_argument("--keep-logs", type=Path, default=None)
+    ap.add_argument("--keep-logs", type=Path, default=None, help="copy each run's whole log folder here")
+    ap.add_argument("--save", type=Path, default=None, help="write each run's step records and running-batch "
+                    "series here (RUN.json: small, unlike --keep-logs, whose spools hold every trajectory)")
     ap.add_argument("--engine", default="torch", choices=["torch", "vllm"], help="the rollout engine")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vllm: its share of the GPU")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
@@ -266,6 +268,11 @@ def main() -> int:
         t0 = time.monotonic()
         logs = run_logged(topology(work / "model", run, args), run.name, args.keep_logs, timeout=args.timeout)
         results[run] = s = summarise(logs, args.skip)
+        if args.save is not None:
+            args.save.mkdir(parents=True, exist_ok=True)
+            (args.save / f"{run.name}.json").write_text(json.dumps(
+                {"run": run.label, "args": {k: str(v) for k, v in vars(args).items()}, "records": logs.records,
+                 "batch": logs.batch}))
         sync = next((v for r, v in results.items() if r.mode == "sync"), None)
         ratio = f"{s.sps / sync.sps:5.2f}" if sync is not None and run.mode == "async" else "    -"
         seen = s.trained + s.dropped
