@@ -5,6 +5,7 @@ system under supervisord on the tiny model."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -95,8 +96,6 @@ def test_the_torch_engine_generates_exactly_max_tokens_through_eos(tok, one_torc
     """The agent's own requests, run by the torch engine: every output is max_tokens long, though the
     shipped policy (trained to answer a number and eos) samples eos early; the same requests without
     ignore_eos stop there. The reward node's verifier scores the trajectory by its text."""
-    import dataclasses
-
     from areal_bus.engines.torch_engine import TorchRolloutEngine
 
     topo = _topo()
@@ -160,3 +159,26 @@ def test_longtail_trains_a_few_updates_under_supervisord(tmp_path):
     # The rollout worker's running-batch series was written where the bench reads it.
     series = list((tmp_path / "longtail").glob("rollout_batch-*.jsonl"))
     assert series and series[0].read_text().strip()
+
+
+def test_the_vllm_engine_is_asked_for_the_same_thing():
+    """vLLM's SamplingParams for a longtail request: eos left out of the stop ids (vLLM's own eos check
+    is always off), so only max_tokens ends it; a plain request still stops at eos."""
+    from areal_bus.engines import vllm_engine as ve
+
+    req = m.GenerateRequest(request_id="r", episode_id="e", ticket=0, min_version=0, max_tokens=700,
+                            temperature=1.0, prompt_ids=np.arange(1, 9, dtype=np.int32), ignore_eos=True, stop=[7])
+    spec = ve.sampling_spec(req, eos_token_ids=[2])
+    assert spec["ignore_eos"] and spec["stop_token_ids"] == [7] and spec["max_tokens"] == 700
+    assert ve.sampling_spec(dataclasses.replace(req, ignore_eos=False), eos_token_ids=[2])["stop_token_ids"] == [2, 7]
+
+
+def test_ignore_eos_crosses_the_wire():
+    from areal_bus.codec import Encoder, decode
+
+    req = m.GenerateRequest(request_id="r", episode_id="e", ticket=3, min_version=0, max_tokens=9,
+                            temperature=1.0, prompt_ids=np.arange(1, 5, dtype=np.int32), ignore_eos=True)
+    _, back = decode([bytes(f) for f in Encoder("agent-0").encode(req)])
+    assert back.ignore_eos is True and back.max_tokens == 9
+    _, plain = decode([bytes(f) for f in Encoder("agent-0").encode(dataclasses.replace(req, ignore_eos=False))])
+    assert plain.ignore_eos is False
