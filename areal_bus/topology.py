@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from areal_bus.constants import WATCHDOG_RESTART_MAX_S
 from areal_bus.node_configs import REDACTED, SECRET, GatewayConfig, NoConfig, ProbeConfig, RewardNodeConfig
@@ -327,6 +327,14 @@ class Topology(_Strict):
     staleness: StalenessConfig = Field(default_factory=StalenessConfig, description="How staleness_threshold is "
                                        "enforced: at admission always, at consumption too unless "
                                        "drop_at_consume is false.")
+
+    @field_validator("staleness", mode="before")
+    @classmethod
+    def _staleness_is_a_section(cls, value):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            raise ValueError(f"staleness is a section ({{drop_at_consume: true|false}}); the threshold itself is "
+                             f"staleness_threshold: {value}")
+        return value
     queue_max_size: int = Field(256, ge=1, le=1_000_000, description="Trajectory queue capacity; past it producers "
                                 "see backpressure (high-water marks and bounded node queues), never silent loss.")
     trigger_batch_size: int = Field(16, ge=1, le=1_000_000, description="Ready samples that trigger one update "

@@ -33,6 +33,11 @@ def test_the_default_is_to_drop_at_consume():
     assert parse_topology({}).staleness.drop_at_consume is True
 
 
+def test_a_number_for_staleness_is_refused_pointing_at_staleness_threshold():
+    with pytest.raises(TopologyError, match=r"staleness: .*staleness_threshold: 2"):
+        parse_topology({"staleness": 2}, "t.yaml")
+
+
 def test_a_wrong_value_is_refused_naming_the_field():
     with pytest.raises(TopologyError, match=r"staleness\.drop_at_consume"):
         parse_topology({"staleness": {"drop_at_consume": "sometimes"}}, "t.yaml")

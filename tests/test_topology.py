@@ -49,9 +49,9 @@ def test_empty_file_gives_the_defaults(write):
 
 
 def test_unknown_field_names_file_path_and_allowed_fields(write):
-    msg = _error(write("staleness: 2\n"))
+    msg = _error(write("stalenes_threshold: 2\n"))
     assert "topo.yaml" in msg
-    assert "staleness: unknown field" in msg
+    assert "stalenes_threshold: unknown field" in msg
     assert "staleness_threshold" in msg.split("allowed here:")[1]
 
 
