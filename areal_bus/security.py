@@ -36,6 +36,8 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
+from areal_bus.constants import LINGER_MS
+
 KEY_NAME = "cluster"
 """``areal-bus keys`` writes ``<out>/cluster.key`` (public) and ``<out>/cluster.key_secret`` (0600)."""
 
@@ -159,6 +161,13 @@ class BusContext(zmq.Context):
     log = None
     _guard: _Guard | None = None
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Every socket of this context, including one made without channels.open_socket (which sets
+        # its own), waits at most LINGER_MS at close for its queued messages: a socket closed with
+        # ZeroMQ's default (for ever) holding a message for a peer that is gone makes term() block.
+        self.setsockopt(zmq.LINGER, LINGER_MS)
+
     def guard(self) -> _Guard:
         if self._guard is None:
             self._guard = _Guard(self, self.curve, self.metrics, self.log)
@@ -176,6 +185,17 @@ class BusContext(zmq.Context):
     def term(self) -> None:
         self.stop_guard()
         super().term()
+
+    def __del__(self) -> None:
+        # A context dropped without destroy() (a failed start, a test's) is closed here with linger 0:
+        # pyzmq's own __del__ closes its open sockets with their linger, and a message queued for a
+        # peer that is gone then holds the garbage collector, wherever it runs (an unrelated test hung
+        # in the middle of yaml.safe_load on one of these).
+        if not getattr(self, "_shadow", False) and not self.closed:
+            try:
+                self.destroy(linger=0)
+            except Exception:  # deliberately tolerated: nothing can be raised out of __del__
+                pass
 
 
 def bus_context(curve: CurveKeys | None, metrics, log) -> BusContext:
