@@ -187,15 +187,28 @@ class BusContext(zmq.Context):
         super().term()
 
     def __del__(self) -> None:
-        # A context dropped without destroy() (a failed start, a test's) is closed here with linger 0:
-        # pyzmq's own __del__ closes its open sockets with their linger, and a message queued for a
-        # peer that is gone then holds the garbage collector, wherever it runs (an unrelated test hung
-        # in the middle of yaml.safe_load on one of these).
-        if not getattr(self, "_shadow", False) and not self.closed:
-            try:
-                self.destroy(linger=0)
-            except Exception:  # deliberately tolerated: nothing can be raised out of __del__
-                pass
+        # A context dropped without destroy() (a failed start, a test's) must not hold the garbage
+        # collector, wherever it runs: pyzmq's own __del__ calls term(), which waits for every socket
+        # of the context, also one whose Python object is garbage in the same cycle (its weak reference
+        # in _sockets is already cleared, so destroy() cannot close it; this hung the suite in the
+        # middle of unrelated tests). So: close what can be closed at once, and term() in a daemon
+        # thread, which finishes when the stragglers' own finalizers have closed them.
+        if getattr(self, "_shadow", False) or self.closed:
+            return
+        try:
+            self.stop_guard()
+            for sock in list(getattr(self, "_sockets", None) or ()):
+                if not sock.closed:
+                    sock.close(linger=0)
+            threading.Thread(target=self._term_quietly, name="zmq-term", daemon=True).start()
+        except Exception:  # deliberately tolerated: nothing can be raised out of __del__
+            pass
+
+    def _term_quietly(self) -> None:
+        try:
+            zmq.Context.term(self)
+        except zmq.ZMQError:  # deliberately tolerated: the context was garbage; nothing waits on it
+            pass
 
 
 def bus_context(curve: CurveKeys | None, metrics, log) -> BusContext:

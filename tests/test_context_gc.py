@@ -31,3 +31,28 @@ def test_a_dropped_context_with_a_queued_message_is_collected(close):
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "collected"
+
+
+CYCLE = """
+import gc, zmq
+from areal_bus.security import BusContext
+
+class Node:  # holds its context and socket, and itself: garbage only the cycle collector frees
+    def __init__(self):
+        self.ctx = BusContext()
+        self.sock = self.ctx.socket(zmq.PUSH)
+        self.sock.connect("tcp://127.0.0.1:9")
+        self.sock.send(b"x")
+        self.me = self
+
+gc.disable()
+Node()
+gc.collect()   # the context's weak references to its socket are cleared before either is finalized
+print("collected")
+"""
+
+
+def test_a_context_collected_in_one_cycle_with_its_socket_does_not_block():
+    out = subprocess.run([sys.executable, "-c", CYCLE], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "collected"
