@@ -193,7 +193,11 @@ class BusContext(zmq.Context):
         # in _sockets is already cleared, so destroy() cannot close it; this hung the suite in the
         # middle of unrelated tests). So: close what can be closed at once, and term() in a daemon
         # thread, which finishes when the stragglers' own finalizers have closed them.
-        if getattr(self, "_shadow", False) or self.closed:
+        from zmq.sugar import context as _pyzmq_context
+
+        # At interpreter exit nothing is done, as pyzmq does (its atexit flag): threads cannot start
+        # then, and the process is going anyway.
+        if getattr(self, "_shadow", False) or self.closed or _pyzmq_context._exiting:
             return
         try:
             self.stop_guard()
