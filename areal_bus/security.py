@@ -34,6 +34,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.sugar import context as _pyzmq_context
 from zmq.utils.monitor import recv_monitor_message
 
 from areal_bus.constants import LINGER_MS
@@ -193,11 +194,9 @@ class BusContext(zmq.Context):
         # in _sockets is already cleared, so destroy() cannot close it; this hung the suite in the
         # middle of unrelated tests). So: close what can be closed at once, and term() in a daemon
         # thread, which finishes when the stragglers' own finalizers have closed them.
-        from zmq.sugar import context as _pyzmq_context
-
         # At interpreter exit nothing is done, as pyzmq does (its atexit flag): threads cannot start
-        # then, and the process is going anyway.
-        if getattr(self, "_shadow", False) or self.closed or _pyzmq_context._exiting:
+        # then, nothing can be imported, and the process is going anyway.
+        if getattr(self, "_shadow", False) or self.closed or getattr(_pyzmq_context, "_exiting", True):
             return
         try:
             self.stop_guard()
