@@ -164,15 +164,7 @@ def test_a_run_split_across_two_hosts_trains_to_the_end_over_curve(hosts, work):
         assert "[rollout] step=" in rollout_log
         assert "Traceback" not in "".join(logs.values())
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+        _stop(procs, 15)
 
 
 _SENDER = """
@@ -351,6 +343,23 @@ def _host_folder(work: Path, name: str, keys: Path) -> Path:
     return folder
 
 
+def _stop(procs: dict, wait_s: float) -> None:
+    """SIGTERM every process still running, then SIGKILL (with all it started) any that outlives ``wait_s``."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs.values():
+        try:
+            p.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            for pid in _descendants(p.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait(10)
+
+
 def _descendants(pid: int) -> list[int]:
     kids = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -457,16 +466,4 @@ def test_trainer_ranks_and_weights_span_two_hosts_and_a_killed_host_rejoins(host
         print("evals", evals)
         assert evals[-1]["eval_reward"] > evals[-2]["eval_reward"], evals
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                for pid in _descendants(p.pid):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                p.wait(10)
+        _stop(procs, 20)
