@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 """Bump when the folder this writes changes: cached conversions of an older version are redone."""
 
 MARKER = "areal_import.json"
@@ -180,6 +180,34 @@ def plain_model(model):
     return fresh.eval()
 
 
+def turn_end_token(tok) -> str | None:
+    """The special token the chat template closes an assistant turn with (ChatML's ``<|im_end|>``), or
+    None when the template puts no special token there. Rendered with a marker, as the task driver does."""
+    marker = "\x00"
+    text = tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}],
+                                   tokenize=False)
+    after = text[text.index(marker) + 1:]
+    special = sorted(set(tok.all_special_tokens) | {t.content for t in tok.added_tokens_decoder.values()
+                                                    if t.special}, key=len, reverse=True)
+    return next((t for t in special if t and after.startswith(t)), None)
+
+
+def align_eos(model, tok, log: Callable[[str], None] = lambda line: None) -> None:
+    """Make eos the token that ends an assistant turn, in the tokenizer, the config and the generation
+    config. Which of the GGUF's tokens transformers names eos depends on its version (5.24 reads
+    SmolLM2's as ``<|im_end|>``, 5.17 as ``<|endoftext|>``); a sampler that stops at eos and a driver that
+    appends the next turn after it need the template's own turn end, whatever version converted."""
+    end = turn_end_token(tok)
+    if end is None or end == tok.eos_token:
+        return
+    end_id = tok.convert_tokens_to_ids(end)
+    log(f"eos: {tok.eos_token!r} -> {end!r} (id {end_id}), the token the chat template ends an assistant turn with")
+    tok.eos_token = end
+    model.config.eos_token_id = end_id
+    if model.generation_config is not None:
+        model.generation_config.eos_token_id = end_id
+
+
 def check_prompt_ids(tok) -> list[int]:
     return list(tok.apply_chat_template([{"role": "user", "content": CHECK_PROMPT}], add_generation_prompt=True,
                                         tokenize=True, return_dict=False))
@@ -234,6 +262,7 @@ def convert(source: str | Path, out: str | Path, dtype: str = "float32", force: 
     n = num_params(gguf_model)
     log(f"loaded {type(gguf_model).__name__} from the GGUF in {load_s:.1f} s: {n:,} parameters "
         f"(dequantized, as {dtype})")
+    align_eos(gguf_model, tok, log)
     prompt = check_prompt_ids(tok)
     before = greedy_reply(gguf_model, prompt)
     model = plain_model(gguf_model)
@@ -332,4 +361,4 @@ def _is_import_of(folder: Path, digest: str, dtype: str) -> bool:
 
 
 __all__ = ["CONVERTER_VERSION", "MARKER", "PACKAGED", "ImportModelError", "ImportResult", "source_path",
-           "check_gguf", "load_gguf", "plain_model", "convert", "cached_import"]
+           "check_gguf", "load_gguf", "plain_model", "turn_end_token", "align_eos", "convert", "cached_import"]

@@ -216,3 +216,27 @@ def test_cached_import_converts_once_however_many_ask_at_once(tiny_gguf, tmp_pat
     assert cached_import(tiny_gguf, tmp_path / "cache", log=lines.append) == got[0]
     assert sum(line.startswith("loaded") for line in lines) == 1
     assert (tmp_path / "cache" / ".gitignore").read_text().splitlines()[-1] == "*"
+
+
+def test_eos_becomes_the_chat_templates_turn_end_whatever_transformers_named_it(smollm2_dir):
+    """transformers 5.17 reads SmolLM2's GGUF eos as <|endoftext|> while its template ends a turn with
+    <|im_end|>: the multi-turn driver then refuses the template. align_eos makes them one token."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from areal_bus.import_model import align_eos, turn_end_token
+    from areal_bus.tasks.driver import render_env_turn
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
+    assert turn_end_token(tok) == "<|im_end|>"
+    tok.eos_token = "<|endoftext|>"  # as the older transformers names it
+    with pytest.raises(ValueError, match="does not end an assistant turn"):
+        render_env_turn(tok, "try again")
+    model = SimpleNamespace(config=AutoConfig.from_pretrained(smollm2_dir, local_files_only=True),
+                            generation_config=GenerationConfig(eos_token_id=0))
+    align_eos(model, tok)
+    end_id = tok.convert_tokens_to_ids("<|im_end|>")
+    assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", end_id)
+    assert model.config.eos_token_id == end_id and model.generation_config.eos_token_id == end_id
+    assert tok.decode(render_env_turn(tok, "try again")).startswith("\n<|im_start|>user\ntry again")
