@@ -224,6 +224,15 @@ class TrainerEngineConfig(_Strict):
                                     "vocab] float32 tensor is ever whole.")
     gradient_checkpointing: bool = Field(False, description="torch: recompute each decoder layer's activations in "
                                          "backward (less memory, ~1/3 more compute).")
+    mixed_precision: Literal["compute_copy", "autocast"] = Field(
+        "compute_copy", description="torch, model.dtype bfloat16/float16: how compute runs in that dtype over the "
+        "float32 master weights and AdamW state. 'compute_copy': forward and backward on a copy of the weights in "
+        "model.dtype, cast from the masters once per optimizer step, gradients accumulated into float32 as "
+        "backward makes them. 'autocast': torch.autocast over the masters (every weight cast at every use). "
+        "Parallel layouts (parallelism.dp/tp > 1) always autocast.")
+    compile: bool = Field(False, description="torch: torch.compile each decoder layer of the trainer's policy "
+                          "(fuses norms, rotary and activations; the first update pays about a minute of "
+                          "compilation). Worth it on a GPU; leave off on CPU.")
     eps_clip: float = Field(0.2, gt=0, le=1, description="PPO clip range (low side, and high side unless eps_clip_high).")
     eps_clip_high: float | None = Field(None, gt=0, le=10, description="PPO clip range on the high side (DAPO's clip-higher).")
     behav_imp_weight_cap: float | None = Field(5.0, gt=1, description="Tokens whose behaviour importance weight "

@@ -17,9 +17,15 @@ Three things here are written by hand because no library does them for this obje
 * ``packed_logprobs``: the language-model head is applied to a chunk of positions at a time, and
   each chunk runs under activation checkpointing, so no [tokens, vocab] float32 tensor is ever whole
   (at Qwen2's 152k vocabulary, 16k tokens of logits would be 10 GB): memory is one chunk's logits.
-* mixed precision: the weights and AdamW's state stay float32 (master weights); forward and
-  backward run under ``torch.autocast`` in bfloat16. At RL learning rates (1e-6) an update is far
-  below bfloat16's resolution of a weight, so pure-bf16 training rounds most updates away.
+* mixed precision: the weights and AdamW's state stay float32 (master weights). At RL learning rates
+  (1e-6) an update is far below bfloat16's resolution of a weight, so pure-bf16 training rounds most
+  updates away. Compute is bf16 in one of two ways: ``ComputeCopy`` (the default in one process) keeps
+  a bf16 copy of the network, refreshed from the masters once per optimizer step, runs forward and
+  backward on it and accumulates its gradients into float32 master gradients as backward produces
+  them -- what FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` does per all-gather, for a model that
+  is not sharded; or ``torch.autocast`` over the masters (the parallel layouts), which casts every
+  weight again at every use, in the proximal pass, the forward and the checkpointed recompute (the
+  profile in bench/RESULTS.md: 12,800 copy/cast kernels per two updates).
 
 Quick check::
 
@@ -29,6 +35,7 @@ Quick check::
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,6 +136,43 @@ def autocast(device: torch.device, compute_dtype: torch.dtype | str):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
+class ComputeCopy:
+    """A copy of ``master`` (a module with float32 parameters) in ``dtype`` that forward and backward
+    run on, while the optimizer steps ``master``. Its gradients go into the masters' float32 ``.grad``
+    as backward accumulates each one (a post-accumulate hook per parameter), so gradient accumulation
+    over micro-batches happens in float32 and no second full set of bf16 gradients is kept. After each
+    optimizer step of the masters, ``refresh`` casts them into the copy: one cast per weight per step.
+    Buffers (RoPE's inv_freq) are copied as they are."""
+
+    def __init__(self, master: torch.nn.Module, dtype: torch.dtype):
+        self.master = master
+        self.module = copy.deepcopy(master)  # ties survive deepcopy: a tied lm_head stays the embedding
+        for p in self.module.parameters():
+            p.data = p.data.to(dtype)
+        pairs = list(zip(master.named_parameters(), self.module.named_parameters()))
+        if any(a[0] != b[0] for a, b in pairs):
+            raise RuntimeError("ComputeCopy: the copy's parameters do not line up with the master's")
+        self._pairs = [(m, c) for (_, m), (_, c) in pairs]
+        for m, c in self._pairs:
+            c.register_post_accumulate_grad_hook(self._hook(m))
+
+    @staticmethod
+    def _hook(master_param: torch.Tensor):
+        def into_master(p: torch.Tensor) -> None:
+            if master_param.grad is None:
+                master_param.grad = p.grad.to(master_param.dtype)
+            else:
+                master_param.grad.add_(p.grad)
+            p.grad = None
+        return into_master
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """The copy := the masters, cast (after every optimizer step and every load of the masters)."""
+        for m, c in self._pairs:
+            c.copy_(m)
 
 
 def export_state_dict(state_dict: dict[str, torch.Tensor], config, dtype: torch.dtype | str) -> dict[str, torch.Tensor]:

@@ -1,46 +1,53 @@
-"""The trainer's update at real sizes on one GPU: today's path against the packed path, same data, same run.
+"""The trainer's update at real sizes on one GPU: the old engine, a re-implementation of the old path, and
+today's engine with its precision and compile knobs, on the same updates, each in a process of its own.
 
 Workload (the seed's): sample lengths lognormal (median 500, sigma 0.8) clipped to 200..3000 tokens,
 the first 64 of each a prompt outside the loss, gathered into updates of ~--update-tokens tokens (64k),
 each update --mini-batches PPO mini-batches (one optimizer step each), random token ids, advantages
 +1/-1, behaviour log-probabilities -log(vocab) (a random-weight model's, so importance weights ~1).
-Both paths run the same decoupled PPO objective with a proximal-logprob forward before the steps.
+Every path runs the decoupled PPO objective with a proximal-logprob forward before the steps, from
+the same random float32 weights (a Hugging Face folder written once per shape).
 
-  baseline  today's trainer path (areal_bus/engines/torch_train.py before the packed path): the
-            hand-written decoder (areal_bus/modeling.py) in pure bf16 (weights and AdamW state, the
-            README's GPU advice), rows right-padded to the longest of their forward, full [rows, T,
-            vocab] float32 logits. A mini-batch is forwarded --baseline-rows rows at a time (gradient
-            accumulated), because the whole mini-batch padded does not fit in memory at 3000 tokens.
-            CAVEAT (measured 2026-12-01): this re-implementation runs ~3x slower than the old engine
-            itself (bench/trainer_parallel.py at 7adbcb8 on similar rows), so its ratios overstate the
-            packed path's gain; bench/RESULTS.md has the same-run comparison against the real engine.
-  packed    transformers' Qwen2ForCausalLM (areal_bus/train_model.py) with float32 master weights and
-            AdamW state, bf16 autocast compute, samples packed end to end into micro-batches of
-            <= --micro-tokens tokens (attention within each sample: --attn areal_varlen, torch's FlashAttention varlen
-            kernel, or transformers' sdpa / flex_attention), the
-            log-probabilities by chunks of the lm_head under checkpointing; --checkpointing adds
-            activation checkpointing, --compile compiles each decoder layer.
+  old       the trainer engine before this work (``--old-tree``: a folder holding ``git archive 7adbcb8
+            areal_bus``), its own ``TorchTrainEngine.update`` on the padded batch: the hand-written
+            decoder in pure bf16, rows right-padded, full float32 logits, the proximal pass over the
+            whole batch at once. On this workload it runs out of memory (95 rows x 3,000 x 152k logits).
+  baseline  that path re-implemented here so it fits: the same model and padding, forwarded
+            --baseline-rows rows at a time (gradient accumulated). CAVEAT (measured 2026-12-01): it runs
+            ~3x slower than the old engine on rows the old engine can take, so ratios against it
+            overstate a gain; compare with ``old`` on bench/trainer_parallel.py's short rows too.
+  engine:M  today's ``TorchTrainEngine.update`` (transformers' Qwen2ForCausalLM, float32 master weights
+            and AdamW state, samples packed into micro-batches of <= --micro-tokens with FlashAttention
+            varlen, chunked lm_head logprobs) with trainer_engine.mixed_precision M: ``autocast`` (bf16
+            autocast over the masters) or ``compute_copy`` (a bf16 copy refreshed once per optimizer
+            step); ``+compile`` sets trainer_engine.compile (each decoder layer compiled).
 
 FLOPs (for MFU): 6 N per token (forward + backward, N = parameters with the tied embedding once as the
 lm_head matmul) + 2 N per token for the proximal forward, + causal attention (2 x layers x hidden x
 sum len^2 per forward, x3 with backward), all over real (unpadded) tokens; peak 989 TFLOP/s (H100/H200
-dense bf16 datasheet). Printed per shape and path: tokens/s, MFU, seconds per update, peak memory, and
-the packed/baseline ratio. Last line: ``RESULT ...``.
+dense bf16 datasheet). Printed per shape and path: tokens/s, MFU, seconds per timed update, the first
+update's seconds (compilation), peak memory, loss, and the ratio to the first path that ran. Last line:
+``RESULT ...``. --profile prints each path's torch profile of its first timed update (stderr).
 
-Run:  python3 bench/trainer.py                                    (one GPU; 0.5B and 1.5B shapes, ~3 min)
-      python3 bench/trainer.py --shapes 0.5b --paths packed --attn sdpa
-      .venv/bin/python bench/trainer.py --device cpu --shapes tiny --update-tokens 4000 --steps 1   (checks the script)
+Run:  mkdir -p /tmp/old && git archive 7adbcb8 areal_bus | tar -x -C /tmp/old
+      python3 bench/trainer.py --old-tree /tmp/old                 (one GPU; both shapes, every path, ~6 min)
+      python3 bench/trainer.py --shapes 0.5b --paths engine:autocast,engine:compute_copy --profile
+      .venv/bin/python bench/trainer.py --device cpu --shapes tiny --update-tokens 4000 --steps 1 \
+          --median 300 --max-len 600 --old-tree /tmp/old            (checks the script, ~3 min)
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import gc
+import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
 import time
+from types import SimpleNamespace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
@@ -52,9 +59,11 @@ import torch  # noqa: E402
 
 from areal_bus.loss import decoupled_ppo_loss  # noqa: E402
 from areal_bus.modeling import QWEN2_0_5B, TINY_QWEN2, make_random_model, token_logprobs  # noqa: E402
-from areal_bus.train_model import VARLEN, Packed, _register_varlen, autocast, pack, packed_logprobs, train_flops  # noqa: E402
+from areal_bus.modeling import save_pretrained  # noqa: E402
+from areal_bus.train_model import VARLEN, train_flops  # noqa: E402
 
 PEAK_BF16 = 989e12
+WORKER_TIMEOUT_S = 420  # one path at one shape, compilation included; past it the path reports no result
 PROMPT = 64
 SHAPES = {
     "tiny": {**TINY_QWEN2, "max_position_embeddings": 4096},
@@ -126,63 +135,93 @@ class Baseline:
         return float(np.mean(losses))
 
 
-# -- the packed path --------------------------------------------------------------------------
-class PackedPath:
-    def __init__(self, cfg: dict, args, device):
-        import transformers
+# -- the engines themselves ------------------------------------------------------------------
+def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespace:
+    """The topology fields the trainer engines read (today's and the old one's: a superset), with the
+    schema's defaults; ``variant`` is trainer_engine.mixed_precision, '+compile' adds trainer_engine.compile."""
+    mp, _, extra = variant.partition("+")
+    return SimpleNamespace(
+        trainer_engine=SimpleNamespace(kl_coef=0.0, ppo_epochs=1, eps_clip=0.2, eps_clip_high=None,
+                                       behav_imp_weight_cap=5.0, grad_clip=1.0, adv_std_normalize=True,
+                                       adv_leave_one_out=False, attn_implementation=args.attn,
+                                       micro_batch_tokens=args.micro_tokens, logit_chunk_tokens=4096,
+                                       gradient_checkpointing=args.checkpointing, mixed_precision=mp or "compute_copy",
+                                       compile=extra == "compile", eval_interval=0),
+        model=SimpleNamespace(device=str(device), dtype="bfloat16" if device.type == "cuda" else args.cpu_dtype,
+                              seed=0, threads=1),
+        rollout_engine=SimpleNamespace(temperature=1.0),
+        trainer_device=str(device), learning_rate=1e-6, mini_batch_size=mini_batch, train_workers=1,
+        parallelism=SimpleNamespace(dp=1, tp=1, pp=1, cp=1, ep=1, reshard_after_forward=True))
 
-        hf = transformers.Qwen2Config(**{k: v for k, v in cfg.items() if k != "model_type"})
-        _register_varlen()
-        torch.manual_seed(0)
-        self.model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.float32,
-                                                                   attn_implementation=args.attn).to(device)
-        self.model.config.use_cache = False
-        if args.checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if args.compile:
-            for layer in self.model.model.layers:
-                layer.compile(dynamic=True)
-        self.model.train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-6, weight_decay=0.0, fused=device.type == "cuda")
-        self.micro = args.micro_tokens
-        self.k = args.mini_batches
-        self.device = device
+
+def padded(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """An update as ``torch_train.pad_batch`` hands it to the engine: [B, T] right-padded rows."""
+    return {k: v for k, v in pad(samples, torch.device("cpu")).items()}
+
+
+class EnginePath:
+    """``TorchTrainEngine.update`` itself, from a folder of random weights. ``old`` imports the engine
+    from another tree (--old-tree: a ``git archive`` of the trainer before this work) instead of this one."""
+
+    def __init__(self, cfg: dict, args, device, variant: str = "compute_copy", old: bool = False):
+        if old:
+            sys.path.insert(0, str(Path(args.old_tree).resolve()))
+            for name in [m for m in sys.modules if m == "areal_bus" or m.startswith("areal_bus.")]:
+                del sys.modules[name]
+        from areal_bus.engines.torch_train import TorchTrainEngine
+
+        self.args, self.device, self.variant = args, device, variant
+        self.engine = TorchTrainEngine(bench_topology(args, device, 1, variant), args.model_dir, device=device)
+        self.model = self.engine.model
 
     def update(self, samples: list[dict]) -> float:
-        losses = []
-        for mb in mini_batches(samples, self.k):
-            packs: list[Packed] = [p.to(self.device) for p in pack(mb, self.micro)]
-            with torch.no_grad(), autocast(self.device, torch.bfloat16):
-                prox = [packed_logprobs(self.model, p)[0] for p in packs]
-            total = sum(float(p.mask.sum()) for p in packs)
-            self.opt.zero_grad(set_to_none=True)
-            for p, q in zip(packs, prox):
-                with autocast(self.device, torch.bfloat16):
-                    lp, _ = packed_logprobs(self.model, p)
-                loss, _ = decoupled_ppo_loss(lp, q, p.behav, p.adv, p.mask)
-                (loss * float(p.mask.sum()) / total).backward()
-                losses.append(float(loss.detach()))
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            self.opt.step()
-        return float(np.mean(losses))
+        self.engine.mini_batch = math.ceil(len(samples) / self.args.mini_batches)  # --mini-batches steps
+        return float(self.engine.update(padded(samples))["loss"])
 
 
-def measure(path_cls, cfg, updates, args, device) -> dict:
+def make_path(name: str, cfg: dict, args, device):
+    """baseline | old | engine:<mixed_precision>[+compile]"""
+    if name == "baseline":
+        return Baseline(cfg, args, device)
+    if name == "old":
+        return EnginePath(cfg, args, device, old=True)
+    kind, _, variant = name.partition(":")
+    if kind != "engine":
+        raise SystemExit(f"--paths: {name!r} is none of baseline, old, engine:<compute_copy|autocast>[+compile]")
+    return EnginePath(cfg, args, device, variant or "compute_copy")
+
+
+def measure(name: str, cfg: dict, updates, args, device) -> dict:
     torch.manual_seed(0)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    engine = path_cls(cfg, args, device)
+    engine = make_path(name, cfg, args, device)
     times, losses = [], []
+    first_s = None
     for i, samples in enumerate(updates):
+        prof = None
+        if args.profile and i == args.warmup:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            prof = profile(activities=acts)
+            prof.start()
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         losses.append(engine.update(samples))
         if device.type == "cuda":
             torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        first_s = dt if first_s is None else first_s
         if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(dt)
+        if prof is not None:
+            prof.stop()
+            key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+            print(f"# profile of {name}, update {i + 1} ({dt:.3f} s)", file=sys.stderr)
+            print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=50), file=sys.stderr)
     timed = updates[args.warmup:]
     tokens = sum(s["ids"].size for u in timed for s in u)
     sq = sum(int(s["ids"].size) ** 2 for u in timed for s in u)
@@ -190,63 +229,103 @@ def measure(path_cls, cfg, updates, args, device) -> dict:
     flops = train_flops(n_params, cfg["num_hidden_layers"], cfg["hidden_size"], tokens, sq, recompute=True)
     secs = sum(times)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    del engine
-    gc.collect()
-    return {"params": n_params, "tokens_per_s": tokens / secs, "mfu": flops / secs / PEAK_BF16, "s_per_update": secs / len(times),
-            "peak_gib": peak, "loss": losses[-1]}
+    return {"params": n_params, "tokens_per_s": tokens / secs, "mfu": flops / secs / PEAK_BF16,
+            "s_per_update": secs / len(times), "first_s": first_s, "peak_gib": peak, "loss": losses[-1]}
+
+
+def worker(args, device) -> int:
+    """One path at one shape, in a process of its own (memory, compiled code and CUDA state start clean)."""
+    cfg = SHAPES[args.shapes]
+    updates = make_updates(args, cfg["vocab_size"])
+    try:
+        r = measure(args.worker, cfg, updates, args, device)
+    except torch.OutOfMemoryError as exc:
+        r = {"error": f"out of GPU memory ({str(exc).splitlines()[0][:90]})"}
+    print("WORKER " + json.dumps(r), flush=True)
+    return 0
+
+
+def run_path(name: str, shape: str, model_dir: str, argv: list[str]) -> dict:
+    cmd = [sys.executable, __file__, *argv, "--shapes", shape, "--worker", name, "--model-dir", model_dir]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result in {WORKER_TIMEOUT_S} s"}
+    noise = ("Loading weights", "W1", "I1")
+    sys.stderr.write(proc.stderr[-6000:] if proc.returncode else
+                     "".join(line + "\n" for line in proc.stderr.splitlines() if line.strip() and not line.startswith(noise)))
+    for line in proc.stdout.splitlines():
+        if line.startswith("WORKER "):
+            return json.loads(line[len("WORKER "):])
+    return {"error": f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or ['?'])[-1][:120]}"}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="0.5b,1.5b", help=f"comma list of {', '.join(SHAPES)}")
-    ap.add_argument("--paths", default="baseline,packed")
+    ap.add_argument("--paths", default="baseline,old,engine:autocast,engine:compute_copy,engine:compute_copy+compile",
+                    help="comma list: baseline (the old path re-implemented), old (the engine of --old-tree), "
+                         "engine:<compute_copy|autocast>[+compile] (today's engine and its knobs); the first that "
+                         "runs is the base of the last column")
+    ap.add_argument("--old-tree", default=None, help="a folder holding the old areal_bus/ (for the path 'old')")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cpu-dtype", default="float32", help="cpu: model.dtype of the engine paths")
     ap.add_argument("--update-tokens", type=int, default=65536)
     ap.add_argument("--mini-batches", type=int, default=4, help="PPO mini-batches (optimizer steps) per update")
-    ap.add_argument("--micro-tokens", type=int, default=16384, help="packed: tokens per micro-batch")
+    ap.add_argument("--micro-tokens", type=int, default=16384, help="engine: trainer_engine.micro_batch_tokens")
     ap.add_argument("--baseline-rows", type=int, default=8, help="baseline: padded rows per forward")
-    ap.add_argument("--attn", default=VARLEN, help=f"packed: transformers attn_implementation ({VARLEN}: "
+    ap.add_argument("--attn", default=VARLEN, help=f"engine: trainer_engine.attn_implementation ({VARLEN}: "
                     f"FlashAttention varlen, areal_bus/train_model.py; or sdpa, flex_attention)")
-    ap.add_argument("--checkpointing", action="store_true", help="packed: activation checkpointing")
-    ap.add_argument("--compile", action="store_true", help="packed: torch.compile each decoder layer")
+    ap.add_argument("--checkpointing", action="store_true", help="engine: trainer_engine.gradient_checkpointing")
+    ap.add_argument("--profile", action="store_true", help="print each path's torch profile of its first timed update")
     ap.add_argument("--median", type=float, default=500)
     ap.add_argument("--min-len", type=int, default=200)
     ap.add_argument("--max-len", type=int, default=3000)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
+    if args.worker:
+        return worker(args, device)
+    paths = args.paths.split(",")
+    if "old" in paths and not args.old_tree:
+        raise SystemExit("--paths old needs --old-tree DIR (mkdir DIR && git archive 7adbcb8 areal_bus | tar -x -C DIR)")
+    argv = list(sys.argv[1:])
+    for flag in ("--shapes", "--paths"):  # the parent's own: each worker gets one shape and one path
+        while flag in argv:
+            i = argv.index(flag)
+            del argv[i:i + 2]
     print(f"# bench/trainer.py {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-          f"update ~{args.update_tokens} tokens in {args.mini_batches} mini-batches, attn {args.attn}, "
-          f"checkpointing {args.checkpointing}, compile {args.compile}")
-    print(f"{'shape':6} {'path':9} {'tokens/s':>10} {'MFU':>6} {'s/update':>9} {'peak GiB':>9} {'loss':>8}")
+          f"updates of ~{args.update_tokens} tokens in {args.mini_batches} mini-batches, lengths lognormal median "
+          f"{args.median:g} in {args.min_len}..{args.max_len}, attn {args.attn}, checkpointing {args.checkpointing}",
+          flush=True)
+    print(f"{'shape':6} {'path':30} {'tokens/s':>9} {'MFU':>6} {'s/update':>8} {'1st s':>6} {'peak GiB':>8} "
+          f"{'loss':>8} {'vs 1st':>7}", flush=True)
     result = {}
     for shape in args.shapes.split(","):
         cfg = SHAPES[shape]
-        updates = make_updates(args, cfg["vocab_size"])
-        row = {}
-        for name in args.paths.split(","):
-            try:
-                r = measure({"baseline": Baseline, "packed": PackedPath}[name], cfg, updates, args, device)
-            except torch.OutOfMemoryError:
-                gc.collect()
-                torch.cuda.empty_cache()
-                print(f"{shape:6} {name:9} out of GPU memory", flush=True)
-                result[f"{shape}_{name}_tokens_per_s"] = "oom"
-                continue
-            row[name] = r
-            print(f"{shape:6} {name:9} {r['tokens_per_s']:10.0f} {r['mfu']:6.1%} {r['s_per_update']:9.3f} "
-                  f"{r['peak_gib']:9.1f} {r['loss']:8.4f}", flush=True)
-            result[f"{shape}_{name}_tokens_per_s"] = round(r["tokens_per_s"])
-            result[f"{shape}_{name}_mfu"] = round(r["mfu"], 3)
-        if "baseline" in row and "packed" in row:
-            ratio = row["packed"]["tokens_per_s"] / row["baseline"]["tokens_per_s"]
-            print(f"{shape:6} packed/baseline {ratio:.2f}x")
-            result[f"{shape}_ratio"] = round(ratio, 2)
+        base = None
+        with tempfile.TemporaryDirectory(prefix="bench-trainer-") as work:
+            save_pretrained(make_random_model(cfg, seed=0), work)  # random float32 weights in the HF layout
+            for name in paths:
+                r = run_path(name, shape, work, argv)
+                key = f"{shape}_{name.replace(':', '_').replace('+', '_')}"
+                if "error" in r:
+                    print(f"{shape:6} {name:30} {r['error']}", flush=True)
+                    result[f"{key}_tokens_per_s"] = "none"
+                    continue
+                base = base or r["tokens_per_s"]
+                print(f"{shape:6} {name:30} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} {r['s_per_update']:8.3f} "
+                      f"{r['first_s']:6.1f} {r['peak_gib']:8.1f} {r['loss']:8.4f} {r['tokens_per_s'] / base:6.2f}x",
+                      flush=True)
+                result[f"{key}_tokens_per_s"] = round(r["tokens_per_s"])
+                result[f"{key}_mfu"] = round(r["mfu"], 3)
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
     return 0
 

@@ -64,7 +64,9 @@ def bench_topology(args, dp: int, tp: int) -> SimpleNamespace:
                                        behav_imp_weight_cap=5.0, grad_clip=1.0, adv_std_normalize=True,
                                        adv_leave_one_out=False, attn_implementation="areal_varlen",
                                        micro_batch_tokens=16384, logit_chunk_tokens=4096,
-                                       gradient_checkpointing=False),
+                                       gradient_checkpointing=False,
+                                       mixed_precision=getattr(args, "mixed_precision", "compute_copy"),
+                                       compile=getattr(args, "compile", False)),
         model=SimpleNamespace(device=args.device, dtype=args.dtype, seed=0, threads=1),
         rollout_engine=SimpleNamespace(temperature=1.0),
         trainer_device=args.device, learning_rate=args.lr, mini_batch_size=args.mini_batch, train_workers=dp * tp,
@@ -167,6 +169,9 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--threads", type=int, default=1, help="cpu: torch threads per rank")
     p.add_argument("--keep-gathered", action="store_true", help="dp: parallelism.reshard_after_forward false")
+    p.add_argument("--mixed-precision", default="compute_copy", choices=["compute_copy", "autocast"],
+                   help="trainer_engine.mixed_precision (dp=1; parallel layouts autocast)")
+    p.add_argument("--compile", action="store_true", help="trainer_engine.compile: torch.compile each decoder layer")
     p.add_argument("--profile", action="store_true", help="print rank 0's torch profile of each layout's timed updates")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")

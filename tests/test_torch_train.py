@@ -80,6 +80,32 @@ def test_an_update_raises_the_likelihood_of_rewarded_samples(model_dir):
     assert stats["mean_w"] == pytest.approx(1.0, abs=1e-3)  # behaviour == proximal: fresh samples
 
 
+def test_bf16_compute_copy_and_autocast_make_the_same_update_over_float32_masters(model_dir):
+    """model.dtype bfloat16: both mixed-precision modes keep float32 masters and AdamW state and make the
+    update the float32 engine makes, up to bf16 rounding; the copy is the masters cast after the step."""
+    trajs = _episodes(model_dir)
+    deltas = {}
+    for name, over in {"fp32": {}, "copy": {"dtype": "bfloat16"},
+                       "autocast": {"dtype": "bfloat16"}}.items():
+        topo = _topo(model_dir, learning_rate=1e-3, model={"path": str(model_dir), **over},
+                     trainer_engine={"kind": "torch", "mixed_precision": "autocast" if name == "autocast" else
+                                     "compute_copy"})
+        engine = TorchTrainEngine(topo, model_dir)
+        assert (engine.copy is not None) == (name == "copy")
+        before = {k: v.clone() for k, v in engine.state_dict().items()}
+        stats = engine.train(trajs, version=0)
+        assert np.isfinite(stats["loss"])
+        assert all(v.dtype == torch.float32 for v in engine.state_dict().values())
+        assert all(s["exp_avg"].dtype == torch.float32 for s in engine.opt.state.values())
+        deltas[name] = torch.cat([(engine.state_dict()[k] - before[k]).flatten() for k in before])
+        if engine.copy is not None:
+            for k, v in engine.run.lm.state_dict().items():
+                assert torch.equal(v, engine.state_dict()[k].to(v.dtype)), k
+    for name in ("copy", "autocast"):
+        cos = torch.nn.functional.cosine_similarity(deltas[name], deltas["fp32"], dim=0)
+        assert cos > 0.95, (name, float(cos))
+
+
 def test_checkpoint_resumes_weights_optimizer_version_and_consumed_ids(model_dir, tmp_path):
     trajs = _episodes(model_dir)
     topo = _topo(model_dir)

@@ -11,7 +11,8 @@ import torch
 
 from areal_bus.loss import decoupled_ppo_loss
 from areal_bus.modeling import logprobs_of
-from areal_bus.train_model import autocast, export_state_dict, load_policy, pack, packed_logprobs
+from areal_bus.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, load_policy, pack,
+                                   packed_logprobs)
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
 
@@ -127,16 +128,34 @@ def test_fp32_master_weights_keep_an_lr_1e6_update_that_pure_bf16_loses(tmp_path
         opt.step()
         return {k: v.detach().float() - before[k] for k, v in model.named_parameters()}
 
+    def one_step_on_a_copy(model):
+        before = {k: v.detach().clone() for k, v in model.named_parameters()}
+        policy = PackedLM(model)
+        run = ComputeCopy(policy, torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+        for half in (packed.mask * (torch.arange(packed.tokens) < 24), packed.mask * (torch.arange(packed.tokens) >= 24)):
+            lp, _ = packed_logprobs(run.module, packed)  # two backwards: the masters' grads accumulate
+            (-(lp * packed.adv * half).sum() / packed.mask.sum()).backward()
+        assert all(p.grad is None for p in run.module.parameters())  # each went into its master's
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+        opt.step()
+        run.refresh()
+        for (k, m), c in zip(model.named_parameters(), run.module.lm.parameters()):
+            assert c.dtype == torch.bfloat16 and torch.equal(c, m.detach().to(torch.bfloat16)), k
+        return {k: v.detach() - before[k] for k, v in model.named_parameters()}
+
     reference = one_step(load_policy(tmp_path / "m"), torch.float32)
-    master = one_step(load_policy(tmp_path / "m"), torch.bfloat16)  # fp32 weights, bf16 compute
+    master = one_step(load_policy(tmp_path / "m"), torch.bfloat16)  # fp32 weights, bf16 autocast
+    copied = one_step_on_a_copy(load_policy(tmp_path / "m"))  # fp32 weights, a bf16 compute copy
     pure = one_step(load_policy(tmp_path / "m").to(torch.bfloat16), torch.bfloat16)
     name = "model.layers.0.mlp.down_proj.weight"
     ref = reference[name]
     moved = lambda delta: float((delta != 0).float().mean())
-    assert moved(ref) > 0.99 and moved(master[name]) > 0.99
-    # Adam's first step moves each weight by ~lr in the gradient's sign: bf16 compute keeps the signs.
-    assert float((torch.sign(master[name]) == torch.sign(ref)).float().mean()) > 0.9
-    torch.testing.assert_close(master[name].abs().mean(), ref.abs().mean(), rtol=0.05, atol=0)
+    for delta in (master[name], copied[name]):
+        assert moved(ref) > 0.99 and moved(delta) > 0.99
+        # Adam's first step moves each weight by ~lr in the gradient's sign: bf16 compute keeps the signs.
+        assert float((torch.sign(delta) == torch.sign(ref)).float().mean()) > 0.9
+        torch.testing.assert_close(delta.abs().mean(), ref.abs().mean(), rtol=0.05, atol=0)
     assert moved(pure[name]) < 0.05  # bf16 weights: a 1e-6 step is below their resolution, rounded away
 
 

@@ -233,6 +233,9 @@ class ParallelTrainEngine(TorchTrainEngine):
     def _data_shard(self) -> tuple[int, int]:
         return self.mesh.get_local_rank("dp"), self.dp_size
 
+    def _use_compute_copy(self) -> bool:
+        return False  # sharded (FSDP2) or split (tp) weights: autocast over each rank's float32 shards
+
     def _sync_grads(self, loss: torch.Tensor) -> torch.Tensor:
         # FSDP2 has reduce-scattered the gradients in backward (tp needs no reduction), averaging over
         # dp; each rank's loss is already weighted by its share, so the sum is wanted. (A gradient
