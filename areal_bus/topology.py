@@ -351,6 +351,11 @@ class Topology(_Strict):
                                     "staleness admission rule.")
     global_batch_size: int = Field(32, ge=1, le=1_000_000, description="Most samples one update consumes "
                                    "(exactly what it consumes in synchronous mode).")
+    whole_groups: bool = Field(True, description="Async: an update takes GRPO groups (agent.group_size samples "
+                               "sharing a group_id) whole, never the early finishers of a group without the rest: "
+                               "a group's advantages compare its members, and the short ones finish first. A group "
+                               "waits for its last member unless the queue holds a whole global batch without "
+                               "enough whole groups (then oldest first, as with false).")
     mini_batch_size: int = Field(8, ge=1, le=1_000_000, description="PPO mini-batch within an update.")
     learning_rate: float = Field(1e-5, gt=0, le=1, description="Optimizer learning rate.")
     max_steps: int = Field(20, ge=1, le=10_000_000, description="Updates before the run ends by itself.")

@@ -21,7 +21,7 @@ cat /tmp/gguf-parts/gguf-* > /tmp/smol.gguf
 if [ "$(sha256sum /tmp/smol.gguf | cut -c1-64)" != "$(cat "$PARTS/SHA")" ]; then
     echo "GGUF not whole yet (or a part is bad): carry the next part"; exit 0
 fi
-find "$WHEELS" -name '*.whl' -print0 | xargs -0 python3 -m pip install -q --no-index --no-deps --no-compile \
+find "$WHEELS" -type f -name '*.whl' -print0 | xargs -0 python3 -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/site || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 printf '#!/usr/bin/env python3\nimport sys\nfrom areal_bus.cli import main\nsys.exit(main())\n' > /tmp/site/bin/areal-bus

@@ -92,3 +92,53 @@ def test_queue_is_full_at_capacity_and_not_after_a_batch(make_traj):
     assert q.full
     q.take_batch(0)
     assert not q.full
+
+
+def _member(make_traj, group: str, i: int, ticket: int, version: int = 0):
+    return make_traj(f"{group}-{i}", ticket=ticket, versions=(version,), group_id=group)
+
+
+def test_async_batches_take_grpo_groups_whole_never_their_early_finishers(make_traj):
+    q = TrainQueue(64, trigger=4, max_batch=8, staleness=2, exact=False, group_size=4)
+    for i in range(3):  # g1's first three finish first (the short answers)
+        q.offer(_member(make_traj, "g1", i, ticket=i))
+    for i in range(4):
+        q.offer(_member(make_traj, "g2", i, ticket=10 + i))
+    assert sorted(t.traj_id for t in q.take_batch(0)) == [f"g2-{i}" for i in range(4)]
+    assert q.take_batch(0) is None  # g1 waits for its last member
+    q.offer(_member(make_traj, "g1", 3, ticket=3))
+    assert sorted(t.traj_id for t in q.take_batch(0)) == [f"g1-{i}" for i in range(4)]
+
+
+def test_a_member_dropped_as_stale_still_completes_its_group(make_traj):
+    q = TrainQueue(64, trigger=3, max_batch=8, staleness=2, exact=False, group_size=4)
+    q.offer(_member(make_traj, "g", 0, ticket=0, version=0))  # started 3 versions back: over the bound
+    for i in range(1, 4):
+        q.offer(_member(make_traj, "g", i, ticket=i, version=1))
+    assert [t.traj_id for t in q.drop_stale(version=3)] == ["g-0"]
+    assert sorted(t.traj_id for t in q.take_batch(3)) == ["g-1", "g-2", "g-3"]
+    assert not q.left  # every member gone: nothing kept for the group
+
+
+def test_a_global_batch_of_incomplete_groups_is_taken_oldest_first(make_traj):
+    """A member that never comes (its episode failed upstream) must not hold the queue for ever."""
+    q = TrainQueue(64, trigger=2, max_batch=4, staleness=2, exact=False, group_size=4)
+    for g, base in (("a", 0), ("b", 10)):
+        for i in range(3):
+            q.offer(_member(make_traj, g, i, ticket=base + i))
+    assert [t.traj_id for t in q.take_batch(0)] == ["a-0", "a-1", "a-2", "b-0"]
+    q.offer(_member(make_traj, "a", 3, ticket=3))  # the late members: whole groups now, with those taken
+    q.offer(_member(make_traj, "b", 3, ticket=13))
+    assert [t.traj_id for t in q.take_batch(0)] == ["a-3", "b-1", "b-2", "b-3"]
+    assert not q.left and not q.buffer
+
+
+def test_ungrouped_trajectories_and_sync_batches_form_as_before(make_traj):
+    q = TrainQueue(64, trigger=2, max_batch=4, staleness=2, exact=False, group_size=4)
+    q.offer(make_traj("x", ticket=0))
+    q.offer(make_traj("y", ticket=1))
+    assert [t.traj_id for t in q.take_batch(0)] == ["x", "y"]  # no group_id: each is its own group
+    s = TrainQueue(64, trigger=2, max_batch=4, staleness=2, exact=True, group_size=4)
+    for i in range(4):
+        s.offer(_member(make_traj, "g", i, ticket=i) if i < 2 else make_traj(f"z{i}", ticket=i))
+    assert len(s.take_batch(0)) == 4

@@ -69,7 +69,8 @@ QUARANTINE_CODES = frozenset({"train_failed", "killed_trainer"})
 
 
 class TrainQueue:
-    def __init__(self, capacity: int, trigger: int, max_batch: int, staleness: int, exact: bool):
+    def __init__(self, capacity: int, trigger: int, max_batch: int, staleness: int, exact: bool,
+                 group_size: int = 1):
         self.capacity = capacity
         self.trigger = trigger
         self.max_batch = max_batch
@@ -79,6 +80,13 @@ class TrainQueue:
         self.seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.duplicates = 0
         self.stale = 0
+        # Async batches take GRPO groups whole: a group's advantages are its rewards against each other,
+        # and the members that finish first are the short ones, so a batch of early finishers would
+        # compare short answers only with short ones and the next batch long with long (the signal
+        # "shorter wins" lost). A group is whole when group_size of its members have come, counting
+        # those that left the buffer already (dropped as stale, or taken when the queue overflowed).
+        self.group_size = group_size
+        self.left: collections.OrderedDict[str, int] = collections.OrderedDict()  # group -> members gone
 
     @property
     def full(self) -> bool:
@@ -108,22 +116,49 @@ class TrainQueue:
 
     def drop_stale(self, version: int) -> list[m.Trajectory]:
         out = [t for t in self.buffer.values() if is_over_stale(version, t.start_version, self.staleness)]
-        for t in out:
-            del self.buffer[t.traj_id]
+        self._remove(out)
         self.stale += len(out)
         return out
 
     def take_batch(self, version: int) -> list[m.Trajectory] | None:
         """A batch if one is ready: oldest policy versions first (they are closest to the bound),
-        then admission order."""
+        then admission order. Async with groups: whole groups only, unless the buffer holds a whole
+        global batch without enough of them (a member that never comes must not hold the rest)."""
         need = self.max_batch if self.exact else self.trigger
         if len(self.buffer) < need:
             return None
         ordered = sorted(self.buffer.values(), key=lambda t: (t.start_version, t.ticket))
         batch = ordered[: self.max_batch]
-        for t in batch:
-            del self.buffer[t.traj_id]
+        if not self.exact and self.group_size > 1:
+            whole = self._whole(ordered, need)
+            if not whole and len(self.buffer) < self.max_batch:
+                return None
+            batch = whole or batch  # overflow: a global batch is waiting on members that may never come
+        self._remove(batch)
         return batch
+
+    def _whole(self, ordered: list[m.Trajectory], need: int) -> list[m.Trajectory]:
+        """Whole groups, oldest first, as many as fit in max_batch; [] if they come to fewer than ``need``."""
+        groups: dict[str, list[m.Trajectory]] = {}
+        for t in ordered:
+            groups.setdefault(t.group_id or t.traj_id, []).append(t)
+        batch: list[m.Trajectory] = []
+        for key, members in groups.items():
+            whole = not members[0].group_id or len(members) + self.left.get(key, 0) >= self.group_size
+            if whole and len(batch) + len(members) <= self.max_batch:
+                batch += members
+        return batch if len(batch) >= need else []
+
+    def _remove(self, trajs: list[m.Trajectory]) -> None:
+        for t in trajs:
+            del self.buffer[t.traj_id]
+            if t.group_id and self.group_size > 1:
+                self.left[t.group_id] = self.left.get(t.group_id, 0) + 1
+                self.left.move_to_end(t.group_id)
+        for key in [k for k, n in self.left.items() if n >= self.group_size]:
+            del self.left[key]  # every member has gone: the group is done
+        while len(self.left) > SEEN_IDS_MAX:
+            self.left.popitem(last=False)
 
 
 @dataclass
@@ -182,7 +217,8 @@ class TrainerCore:
         self.epoch = start.epoch  # the run: kept across crash recoveries, so agents count on
         self.metrics = metrics or Metrics()
         self.queue = TrainQueue(topo.queue_max_size, topo.effective_trigger, topo.global_batch_size,
-                                topo.effective_staleness, exact=not topo.is_async)
+                                topo.effective_staleness, exact=not topo.is_async,
+                                group_size=topo.agent.group_size if topo.whole_groups else 1)
         # Weights of this process's lineage: a restart rolls the policy back to its checkpoint, and
         # rollout workers must follow even though the version number goes down.
         self.policy = PolicyVersion(lineage, start.version)
