@@ -61,6 +61,13 @@ SEEN_IDS_MAX = 1_000_000
 """The trainer remembers this many consumed trajectory ids for duplicate suppression (~100 MB at most);
 older ids fall out first, by which time their producers have long received the ack."""
 
+GROUP_WAIT_S = 60.0
+"""How long an async trainer holds the members of a GRPO group for the rest (``whole_groups``) when no
+whole batch is ready: a member can be lost upstream (its episode failed, a reward dead-lettered) and,
+with a small staleness bound, the queue may never fill past a global batch to release the others.
+Long enough for a 3,000-token member on a busy GPU (~25 s measured), short enough that a lost member
+costs one short stall, not a stuck run."""
+
 STREAM_EVERY_S = 0.05
 """A streamed request's new tokens go to the gateway at most this often (its first token at once):
 20 updates a second read as live text, and at a GPU's decode rate of hundreds of steps a second a

@@ -142,3 +142,27 @@ def test_ungrouped_trajectories_and_sync_batches_form_as_before(make_traj):
     for i in range(4):
         s.offer(_member(make_traj, "g", i, ticket=i) if i < 2 else make_traj(f"z{i}", ticket=i))
     assert len(s.take_batch(0)) == 4
+
+
+def test_a_group_waits_for_its_last_member_at_most_group_wait_s(make_traj):
+    """With a small staleness bound the queue may never fill past a global batch: the wait is timed."""
+    from areal_bus.constants import GROUP_WAIT_S
+
+    clock = [100.0]
+    q = TrainQueue(64, trigger=2, max_batch=8, staleness=0, exact=False, group_size=4, clock=lambda: clock[0])
+    for i in range(3):
+        q.offer(_member(make_traj, "g", i, ticket=i))
+    clock[0] += GROUP_WAIT_S - 1
+    assert q.take_batch(0) is None
+    clock[0] += 1
+    assert [t.traj_id for t in q.take_batch(0)] == ["g-0", "g-1", "g-2"]
+    assert not q.arrived
+
+
+def test_a_member_refused_on_arrival_completes_its_group(make_traj):
+    q = TrainQueue(64, trigger=3, max_batch=8, staleness=2, exact=False, group_size=4)
+    for i in range(3):
+        q.offer(_member(make_traj, "g", i, ticket=i))
+    assert q.take_batch(0) is None
+    q.member_lost(_member(make_traj, "g", 3, ticket=3))
+    assert len(q.take_batch(0)) == 3

@@ -50,13 +50,14 @@ smaller updates and loses nothing.
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass, field
 
 import msgpack
 
 from areal_bus import messages as m
 from areal_bus.admission import is_over_stale, staleness_of
-from areal_bus.constants import HEARTBEAT_INTERVAL_S, SEEN_IDS_MAX
+from areal_bus.constants import GROUP_WAIT_S, HEARTBEAT_INTERVAL_S, SEEN_IDS_MAX
 from areal_bus.metrics import Metrics
 from areal_bus.spool import Spool
 from areal_bus.trajectory_check import check_trajectory, reason_code
@@ -70,7 +71,7 @@ QUARANTINE_CODES = frozenset({"train_failed", "killed_trainer"})
 
 class TrainQueue:
     def __init__(self, capacity: int, trigger: int, max_batch: int, staleness: int, exact: bool,
-                 group_size: int = 1):
+                 group_size: int = 1, clock=time.monotonic):
         self.capacity = capacity
         self.trigger = trigger
         self.max_batch = max_batch
@@ -87,6 +88,8 @@ class TrainQueue:
         # those that left the buffer already (dropped as stale, or taken when the queue overflowed).
         self.group_size = group_size
         self.left: collections.OrderedDict[str, int] = collections.OrderedDict()  # group -> members gone
+        self.arrived: dict[str, float] = {}  # group -> when its first waiting member came
+        self.clock = clock
 
     @property
     def full(self) -> bool:
@@ -99,7 +102,15 @@ class TrainQueue:
             return False
         self.remember(traj.traj_id)
         self.buffer[traj.traj_id] = traj
+        if traj.group_id:
+            self.arrived.setdefault(traj.group_id, self.clock())
         return True
+
+    def member_lost(self, traj: m.Trajectory) -> None:
+        """A member of a group that will never be in the buffer (refused on arrival): its group is whole
+        without it."""
+        if traj.group_id and self.group_size > 1 and traj.traj_id not in self.buffer:
+            self._gone(traj.group_id)
 
     def remember(self, traj_id: str) -> None:
         """Count ``traj_id`` as taken (a resumed run's consumed ids), so a resend of it is a duplicate."""
@@ -122,8 +133,9 @@ class TrainQueue:
 
     def take_batch(self, version: int) -> list[m.Trajectory] | None:
         """A batch if one is ready: oldest policy versions first (they are closest to the bound),
-        then admission order. Async with groups: whole groups only, unless the buffer holds a whole
-        global batch without enough of them (a member that never comes must not hold the rest)."""
+        then admission order. Async with groups: whole groups only, unless none make a batch and the
+        buffer holds a whole global batch or a group has waited GROUP_WAIT_S (a member that never
+        comes must not hold the rest)."""
         need = self.max_batch if self.exact else self.trigger
         if len(self.buffer) < need:
             return None
@@ -131,9 +143,11 @@ class TrainQueue:
         batch = ordered[: self.max_batch]
         if not self.exact and self.group_size > 1:
             whole = self._whole(ordered, need)
-            if not whole and len(self.buffer) < self.max_batch:
+            now = self.clock()
+            waited = now - min(self.arrived.get(t.group_id, now) for t in ordered)
+            if not whole and len(self.buffer) < self.max_batch and waited < GROUP_WAIT_S:
                 return None
-            batch = whole or batch  # overflow: a global batch is waiting on members that may never come
+            batch = whole or batch  # overflow or timeout: oldest first, groups as they are
         self._remove(batch)
         return batch
 
@@ -153,10 +167,16 @@ class TrainQueue:
         for t in trajs:
             del self.buffer[t.traj_id]
             if t.group_id and self.group_size > 1:
-                self.left[t.group_id] = self.left.get(t.group_id, 0) + 1
-                self.left.move_to_end(t.group_id)
-        for key in [k for k, n in self.left.items() if n >= self.group_size]:
-            del self.left[key]  # every member has gone: the group is done
+                self._gone(t.group_id)
+        waiting = {t.group_id for t in self.buffer.values() if t.group_id}
+        for key in [k for k in self.arrived if k not in waiting]:
+            del self.arrived[key]  # the clock restarts with the group's next waiting member
+
+    def _gone(self, group: str) -> None:
+        self.left[group] = self.left.get(group, 0) + 1
+        self.left.move_to_end(group)
+        if self.left[group] >= self.group_size:
+            del self.left[group]  # every member has gone: the group is done
         while len(self.left) > SEEN_IDS_MAX:
             self.left.popitem(last=False)
 
@@ -515,6 +535,8 @@ class TrainerCore:
             self.spool.quarantine(trajs, reason, self.epoch)
         for t in trajs:
             self.queue.remember(t.traj_id)  # a resend is a duplicate: acknowledged, never checked again
+            if not quarantined:  # refused on arrival: its group is whole without it (a quarantined one left in a batch)
+                self.queue.member_lost(t)
             self._count(t.traj_id, t.source, 1)
         self.metrics.inc(f"rejected.{reason_code(reason)}", len(trajs))
         if quarantined:
