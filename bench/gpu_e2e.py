@@ -22,7 +22,10 @@ default: every --modes x --staleness x --drop-at-consume, sync once; sync runs f
 is over the sync run of the same invocation. Samples/s and tokens/s (generated tokens) count what the
 trainer consumed after the first ``--skip`` updates (CUDA start-up and warm-up excluded); the running
 batch (rollout_batch-*.jsonl, a record every 0.5 s) is summarised over that same window: min / median /
-max running sequences and the share of time below half of max_batch.
+max running sequences and the share of time below half of max_batch; "gen tok/s idle/train" is the
+rollout workers' finished-token rate while the trainer waits and while an update runs (where the first
+is the engine's full-batch rate and the trainer is mostly idle, rollout bounds the run; a second well
+below the first is the two contending for the device).
 
 Run:  python3 bench/gpu_e2e.py                    (on the GPU machine: guess at 0.5B, ~2-4 min)
       bash scripts/gpu_headline.sh                (issue 15's table: longtail at 0.5B, both policies)
@@ -166,6 +169,8 @@ class Summary:
     dropped: int
     over_bound: int
     trained: int
+    gen_idle: float  # rollout tokens/s while the trainer waits
+    gen_train: float  # rollout tokens/s while an update runs (the two share the GPU)
 
 
 def counted_steps(records: list[dict], skip: int) -> tuple[list[dict], float]:
@@ -188,6 +193,27 @@ def batch_summary(series: dict[str, list[dict]], t0: float, t1: float) -> tuple[
     return f"{min(running)}/{statistics.median(running):g}/{max(running)} of {recs[0]['max_batch']}", below
 
 
+def generation_split(series: dict[str, list[dict]], counted: list[dict], t0: float, t1: float) -> tuple[float, float]:
+    """(tokens/s the rollout workers finished while the trainer was idle, while it trained) over [t0, t1]:
+    each worker's series ('tokens' counts the output tokens of finished requests) differenced between
+    neighbouring samples, each interval put on the side its midpoint falls on. Where the second is well
+    below the first, rollout and trainer contend for the device; where the trainer is mostly idle and
+    the first is the engine's full-batch rate, rollout bounds the run."""
+    windows = [(r["t_end"] - r["train_s"], r["t_end"]) for r in counted]
+    made = {False: 0.0, True: 0.0}
+    spent = {False: 0.0, True: 0.0}
+    for recs in series.values():
+        pts = [r for r in recs if t0 <= r["t"] <= t1]
+        for a, b in zip(pts, pts[1:]):
+            mid = (a["t"] + b["t"]) / 2
+            side = any(lo <= mid <= hi for lo, hi in windows)
+            made[side] += b["tokens"] - a["tokens"]
+            spent[side] += b["t"] - a["t"]
+    n = max(1, len(series))  # each worker's time counted once per side
+    rate = lambda side: made[side] / (spent[side] / n) if spent[side] else float("nan")
+    return rate(False), rate(True)
+
+
 def summarise(logs, skip: int) -> Summary:
     counted, t0 = counted_steps(logs.records, skip)
     t1 = counted[-1]["t_end"]
@@ -199,7 +225,8 @@ def summarise(logs, skip: int) -> Summary:
         hist.update({int(k): v for k, v in r.get("staleness", {}).items()})
     steps = [r for r in logs.records if r["step"] >= 0]
     batch, below = batch_summary(logs.batch, t0, t1)
-    return Summary(sps=samples / span, tps=generated / span, samples=samples, span=span,
+    gen_idle, gen_train = generation_split(logs.batch, counted, t0, t1)
+    return Summary(gen_idle=gen_idle, gen_train=gen_train, sps=samples / span, tps=generated / span, samples=samples, span=span,
                    busy=sum(r["train_s"] for r in counted) / span, batch=batch, below_half=below,
                    staleness=dict(sorted(hist.items())), dropped=max((r.get("stale_dropped", 0) for r in steps), default=0),
                    over_bound=sum(r.get("over_bound", 0) for r in steps), trained=sum(r["samples"] for r in steps))
@@ -268,7 +295,8 @@ def bench(args, runs: list[Run], work: Path) -> int:
           f"{args.agents} agents, {args.steps} updates per run, first {args.skip} left out; rollout engine "
           f"{args.engine}, max_batch {args.rollout_batch}", flush=True)
     print(f"{'run':18s} {'samples/s':>9s} {'tokens/s':>9s} {'ratio':>5s} {'busy':>5s} {'running batch':>20s} "
-          f"{'<half':>5s}  {'dropped':>12s} {'over_bound':>10s}  staleness histogram (counted updates)", flush=True)
+          f"{'<half':>5s}  {'dropped':>12s} {'over_bound':>10s} {'gen tok/s idle/train':>20s}  staleness histogram "
+          f"(counted updates)", flush=True)
     results: dict[Run, Summary] = {}
     for run in runs:
         t0 = time.monotonic()
@@ -283,14 +311,16 @@ def bench(args, runs: list[Run], work: Path) -> int:
         ratio = f"{s.sps / sync.sps:5.2f}" if sync is not None and run.mode == "async" else "    -"
         seen = s.trained + s.dropped
         print(f"{run.label:18s} {s.sps:9.1f} {s.tps:9.0f} {ratio} {100 * s.busy:4.0f}% {s.batch:>20s} "
-              f"{100 * s.below_half:4.0f}%  {s.dropped:5d} ({100 * s.dropped / max(1, seen):3.0f}%) {s.over_bound:10d}  "
+              f"{100 * s.below_half:4.0f}%  {s.dropped:5d} ({100 * s.dropped / max(1, seen):3.0f}%) {s.over_bound:10d} "
+              f"{f'{s.gen_idle:.0f}/{s.gen_train:.0f}':>20s}  "
               f"{' '.join(f'{k}:{v}' for k, v in s.staleness.items())}   ({s.samples} samples in {s.span:.1f} s; "
               f"wall {logs.wall:.0f} s incl. start, {time.monotonic() - t0:.0f} s)", flush=True)
     sync = next((v for r, v in results.items() if r.mode == "sync"), None)
     fields = [f"workload={args.workload}", f"shape={args.shape}", f"engine={args.engine}"]
     for run, s in results.items():
         fields += [f"{run.name}_sps={s.sps:.2f}", f"{run.name}_tps={s.tps:.0f}", f"{run.name}_busy={s.busy:.2f}",
-                   f"{run.name}_dropped={s.dropped}", f"{run.name}_over_bound={s.over_bound}"]
+                   f"{run.name}_dropped={s.dropped}", f"{run.name}_over_bound={s.over_bound}",
+                   f"{run.name}_gen_idle_tps={s.gen_idle:.0f}", f"{run.name}_gen_train_tps={s.gen_train:.0f}"]
         if run.mode == "async" and sync is not None:
             fields.append(f"{run.name}_ratio={s.sps / sync.sps:.2f}")
     if sync is not None:  # the ratios of the first async run before any other (the old RESULT's keys)
