@@ -7,6 +7,8 @@ wall-clock time), the final rewards and the wall-clock ratio, and saves both cur
 
 Run:   .venv/bin/python bench/learning.py                  (about 4 minutes on 2 cores)
        .venv/bin/python bench/learning.py --via gateway    (the agent through the HTTP gateway, as the default)
+       .venv/bin/python bench/learning.py --repeats 3      (3 pairs of runs, seeds 0..2: mean and spread
+                                                           per mode, and async vs sync at equal samples)
 """
 
 from __future__ import annotations
@@ -36,6 +38,28 @@ def run_mode(mode: str, base: dict, model: Path, keep: Path | None) -> tuple[lis
     records, wall = run_system(topo, mode, keep)
     print(f"  {mode}: {sum(1 for r in records if r['step'] >= 0)} updates in {wall:.0f} s wall", flush=True)
     return records, wall
+
+
+def by_samples(records: list[dict]) -> list[tuple[int, float]]:
+    """(samples trained so far, eval metric) at every evaluation."""
+    key = "eval_accuracy" if any(r.get("eval_accuracy") is not None for r in records) else "eval_reward"
+    done, out = 0, []
+    for r in sorted(records, key=lambda r: r["step"]):  # step -1: the warm start's evaluation
+        done += r.get("samples", 0) if r["step"] >= 0 else 0
+        if r.get(key) is not None:
+            out.append((done, r[key]))
+    return out
+
+
+def at_samples(points: list[tuple[int, float]], n: int) -> float:
+    """The metric at ``n`` samples, linear between the evaluations around it (the last one past them)."""
+    prev = (0, points[0][1])
+    for cur in points:
+        if cur[0] >= n:
+            span = cur[0] - prev[0]
+            return cur[1] if span == 0 else prev[1] + (cur[1] - prev[1]) * (n - prev[0]) / span
+        prev = cur
+    return points[-1][1]
 
 
 def curve(records: list[dict]) -> list[tuple[int, float, float]]:
@@ -87,6 +111,8 @@ def main() -> int:
     p.add_argument("--keep-logs", type=Path, default=None)
     p.add_argument("--set", nargs=2, action="append", metavar=("KEY", "VALUE"),
                    help="override a topology field (dotted key, YAML value), e.g. --set learning_rate 5e-6")
+    p.add_argument("--repeats", type=int, default=1, help="pairs of runs (async then sync), seed k in the k-th "
+                   "(model.seed and agent.seed): mean and spread per mode instead of one pair's curves")
     p.add_argument("--via", choices=("bus", "gateway"), default="bus",
                    help="how the agent reaches the policy (the default topology uses the gateway; 'bus' "
                         "skips the HTTP layer, which on 2 cores costs a third of the throughput)")
@@ -118,6 +144,8 @@ def main() -> int:
           f"{parsed.max_steps} updates = {parsed.max_steps * parsed.global_batch_size} samples per mode, "
           f"staleness {parsed.staleness_threshold}, eval every {parsed.trainer_engine.eval_interval} updates on "
           f"{parsed.trainer_engine.eval_episodes} held-out games")
+    if args.repeats > 1:
+        return repeated(args, base)
     res = {}
     for mode in ("async", "sync"):
         records, wall = run_mode(mode, base, args.model.resolve(), args.keep_logs)
@@ -146,6 +174,44 @@ def main() -> int:
     print(f"plot: {args.plot}")
     print(f"RESULT warm_start={start:.3f} async_final={fa:.3f} sync_final={fs:.3f} gap={abs(fa - fs):.3f} "
           f"last3_gap={abs(ma - ms):.3f} async_wall_s={wa:.0f} sync_wall_s={ws:.0f} speedup={ws / wa:.2f}")
+    return 0
+
+
+def repeated(args, base: dict) -> int:
+    """``--repeats`` pairs: each run's final and last-three metric, wall time and samples, then per mode
+    the mean and standard deviation, and per pair async - sync at equal samples (the sync run's metric
+    against async's at the same count of trained samples, where async trained fewer)."""
+    import statistics
+
+    rows = {"async": [], "sync": []}
+    gaps = []
+    for k in range(args.repeats):
+        pair = {}
+        for mode in ("async", "sync"):
+            topo = json.loads(json.dumps(base))
+            topo.setdefault("model", {})["seed"] = k
+            topo.setdefault("agent", {})["seed"] = k
+            records, wall = run_mode(mode, topo, args.model.resolve(), args.keep_logs)
+            pts = by_samples(records)
+            last3 = sum(v for _, v in pts[-3:]) / len(pts[-3:])
+            pair[mode] = pts
+            rows[mode].append((pts[-1][1], last3, wall, pts[-1][0]))
+            print(f"  seed {k} {mode}: start {pts[0][1]:.3f} final {pts[-1][1]:.3f} last-3 {last3:.3f}, {wall:.0f} s, "
+                  f"{pts[-1][0]} samples", flush=True)
+        n = min(pair["async"][-1][0], pair["sync"][-1][0])
+        gaps.append(at_samples(pair["async"], n) - at_samples(pair["sync"], n))
+    print()
+    sd = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0
+    fields = []
+    for mode, rs in rows.items():
+        f, l3, w = ([r[i] for r in rs] for i in range(3))
+        print(f"{mode:5s}: final {statistics.mean(f):.3f} +- {sd(f):.3f}, last-3 {statistics.mean(l3):.3f} +- "
+              f"{sd(l3):.3f}, wall {statistics.mean(w):.0f} +- {sd(w):.0f} s over {len(rs)} seeds")
+        fields += [f"{mode}_final_mean={statistics.mean(f):.3f}", f"{mode}_final_sd={sd(f):.3f}",
+                   f"{mode}_wall_s={statistics.mean(w):.0f}"]
+    print(f"async - sync at equal samples, per seed: {' '.join(f'{g:+.3f}' for g in gaps)}; mean "
+          f"{statistics.mean(gaps):+.3f}")
+    print("RESULT " + " ".join(fields) + f" equal_samples_gap_mean={statistics.mean(gaps):+.3f}")
     return 0
 
 

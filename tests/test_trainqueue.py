@@ -166,3 +166,14 @@ def test_a_member_refused_on_arrival_completes_its_group(make_traj):
     assert q.take_batch(0) is None
     q.member_lost(_member(make_traj, "g", 3, ticket=3))
     assert len(q.take_batch(0)) == 3
+
+
+def test_a_restarted_trainers_backlog_goes_without_waiting_for_group_mates(make_traj):
+    """After a restart the queue cannot know which members the dead process trained: its backlog's
+    groups are taken as they are, new groups still whole."""
+    q = TrainQueue(64, trigger=2, max_batch=8, staleness=2, exact=False, group_size=4)
+    for i in range(2):
+        q.offer(_member(make_traj, "old", i, ticket=i), recovered=True)
+    q.offer(_member(make_traj, "new", 0, ticket=10))
+    assert sorted(t.traj_id for t in q.take_batch(0)) == ["old-0", "old-1"]
+    assert not q.released

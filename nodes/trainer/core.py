@@ -89,14 +89,17 @@ class TrainQueue:
         self.group_size = group_size
         self.left: collections.OrderedDict[str, int] = collections.OrderedDict()  # group -> members gone
         self.arrived: dict[str, float] = {}  # group -> when its first waiting member came
+        self.released: set[str] = set()  # groups taken as they are (a restart's backlog: some members trained before)
         self.clock = clock
 
     @property
     def full(self) -> bool:
         return len(self.buffer) >= self.capacity
 
-    def offer(self, traj: m.Trajectory) -> bool:
-        """Take a trajectory; False if its id was already taken (a duplicate, counted and ignored)."""
+    def offer(self, traj: m.Trajectory, recovered: bool = False) -> bool:
+        """Take a trajectory; False if its id was already taken (a duplicate, counted and ignored).
+        ``recovered``: a row of a restarted trainer's backlog, whose group-mates may have been trained
+        by the process that died (what left them is not known after a restart): its group goes as it is."""
         if traj.traj_id in self.seen:
             self.duplicates += 1
             return False
@@ -104,6 +107,8 @@ class TrainQueue:
         self.buffer[traj.traj_id] = traj
         if traj.group_id:
             self.arrived.setdefault(traj.group_id, self.clock())
+            if recovered:
+                self.released.add(traj.group_id)
         return True
 
     def member_lost(self, traj: m.Trajectory) -> None:
@@ -158,7 +163,8 @@ class TrainQueue:
             groups.setdefault(t.group_id or t.traj_id, []).append(t)
         batch: list[m.Trajectory] = []
         for key, members in groups.items():
-            whole = not members[0].group_id or len(members) + self.left.get(key, 0) >= self.group_size
+            whole = (not members[0].group_id or key in self.released
+                     or len(members) + self.left.get(key, 0) >= self.group_size)
             if whole and len(batch) + len(members) <= self.max_batch:
                 batch += members
         return batch if len(batch) >= need else []
@@ -171,6 +177,7 @@ class TrainQueue:
         waiting = {t.group_id for t in self.buffer.values() if t.group_id}
         for key in [k for k in self.arrived if k not in waiting]:
             del self.arrived[key]  # the clock restarts with the group's next waiting member
+        self.released &= waiting
 
     def _gone(self, group: str) -> None:
         self.left[group] = self.left.get(group, 0) + 1
@@ -309,7 +316,7 @@ class TrainerCore:
                 self.queue.remember(traj.traj_id)  # a resend is a duplicate, as for any accepted row
                 self.suspects[traj.traj_id] = (traj, deaths[traj.traj_id])
             else:
-                self.queue.offer(traj)
+                self.queue.offer(traj, recovered=True)
         if gone := [tid for tid in deaths if tid not in self.suspects]:  # trained into a checkpoint since
             self.spool.acquit(gone)
         if crashed:
