@@ -195,8 +195,9 @@ def turn_end_token(tok) -> str | None:
 def align_eos(model, tok, log: Callable[[str], None] = lambda line: None) -> None:
     """Make eos the token that ends an assistant turn, in the tokenizer, the config and the generation
     config. Which of the GGUF's tokens transformers names eos depends on its version (5.24 reads
-    SmolLM2's as ``<|im_end|>``, 5.17 as ``<|endoftext|>``); a sampler that stops at eos and a driver that
-    appends the next turn after it need the template's own turn end, whatever version converted."""
+    SmolLM2's as ``<|im_end|>``; 5.17, on the GPU host, as ``<|im_start|>``); a sampler that stops at eos
+    and a driver that appends the next turn after it need the template's own turn end, whatever version
+    converted."""
     end = turn_end_token(tok)
     if end is None or end == tok.eos_token:
         return

@@ -219,7 +219,7 @@ def test_cached_import_converts_once_however_many_ask_at_once(tiny_gguf, tmp_pat
 
 
 def test_eos_becomes_the_chat_templates_turn_end_whatever_transformers_named_it(smollm2_dir):
-    """transformers 5.17 reads SmolLM2's GGUF eos as <|endoftext|> while its template ends a turn with
+    """transformers 5.17 read SmolLM2's GGUF eos as another token (<|im_start|>) while its template ends a turn with
     <|im_end|>: the multi-turn driver then refuses the template. align_eos makes them one token."""
     from types import SimpleNamespace
 
@@ -230,7 +230,7 @@ def test_eos_becomes_the_chat_templates_turn_end_whatever_transformers_named_it(
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
     assert turn_end_token(tok) == "<|im_end|>"
-    tok.eos_token = "<|endoftext|>"  # as the older transformers names it
+    tok.eos_token = "<|endoftext|>"  # a special token other than the turn end, as an older transformers names one
     with pytest.raises(ValueError, match="does not end an assistant turn"):
         render_env_turn(tok, "try again")
     model = SimpleNamespace(config=AutoConfig.from_pretrained(smollm2_dir, local_files_only=True),
