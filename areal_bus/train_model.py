@@ -147,7 +147,6 @@ class ComputeCopy:
     Buffers (RoPE's inv_freq) are copied as they are."""
 
     def __init__(self, master: torch.nn.Module, dtype: torch.dtype):
-        self.master = master
         self.module = copy.deepcopy(master)  # ties survive deepcopy: a tied lm_head stays the embedding
         for p in self.module.parameters():
             p.data = p.data.to(dtype)

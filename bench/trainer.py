@@ -156,7 +156,7 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
 
 def padded(samples: list[dict]) -> dict[str, torch.Tensor]:
     """An update as ``torch_train.pad_batch`` hands it to the engine: [B, T] right-padded rows."""
-    return {k: v for k, v in pad(samples, torch.device("cpu")).items()}
+    return pad(samples, torch.device("cpu"))
 
 
 class EnginePath:
