@@ -9,6 +9,13 @@ Run:   .venv/bin/python bench/learning.py                  (about 4 minutes on 2
        .venv/bin/python bench/learning.py --via gateway    (the agent through the HTTP gateway, as the default)
        .venv/bin/python bench/learning.py --repeats 3      (3 pairs of runs, seeds 0..2: mean and spread
                                                            per mode, and async vs sync at equal samples)
+       ... --seeds 1 --save DIR    (the pair of seed 1 only; each run's curve and summary as DIR/<mode>-seed1.json)
+       .venv/bin/python bench/learning.py --combine DIR1 DIR2   (no runs: the seeds' summary over saved pairs,
+                                                           e.g. one pair per GPU call)
+
+Every run also prints what the system did (bench/gpu_e2e.py's summary over the updates after the first):
+samples/s, generated tokens/s, the trainer's busy share, the rollout engine's running batch, the staleness
+histogram, drops and samples trained over the bound, and the rollouts' output lengths.
 """
 
 from __future__ import annotations
@@ -26,18 +33,40 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from areal_bus.topology import parse_topology  # noqa: E402
-from bench.harness import run_system  # noqa: E402
+from bench.gpu_e2e import summarise  # noqa: E402
+from bench.harness import run_logged  # noqa: E402
 
 
-def run_mode(mode: str, base: dict, model: Path, keep: Path | None) -> tuple[list[dict], float]:
+def run_mode(mode: str, base: dict, model: Path, keep: Path | None, tag: str = "") -> dict:
+    """One run: its step records, wall time, curve and system summary (a JSON-able dict)."""
     topo = json.loads(json.dumps(base))
     topo["name"] = f"learn-{mode}"
     topo["async"] = {"enabled": mode == "async"}
     topo["model"]["path"] = str(model)
     topo["logging"]["save_interval"] = 0
-    records, wall = run_system(topo, mode, keep)
-    print(f"  {mode}: {sum(1 for r in records if r['step'] >= 0)} updates in {wall:.0f} s wall", flush=True)
-    return records, wall
+    logs = run_logged(topo, f"{mode}{tag}", keep)
+    records = logs.records
+    print(f"  {mode}{tag}: {sum(1 for r in records if r['step'] >= 0)} updates in {logs.wall:.0f} s wall", flush=True)
+    print(f"  {mode}{tag}: {lengths(records)}", flush=True)
+    system = system_line(logs)
+    print(f"  {mode}{tag}: {system}", flush=True)
+    return {"mode": mode, "wall": logs.wall, "curve": curve(records), "points": by_samples(records),
+            "samples": sum(r.get("samples", 0) for r in records if r["step"] >= 0), "system": system,
+            "records": records}
+
+
+def system_line(logs) -> str:
+    """What the system did over the updates after the first (evaluations inside the window included)."""
+    try:
+        s = summarise(logs, 1)
+    except RuntimeError as exc:
+        return f"no system summary ({exc})"
+    steps = [r for r in logs.records if r["step"] >= 0]
+    outs = [r["generated"] / r["samples"] for r in steps if r.get("generated") and r.get("samples")]
+    out = f", output tokens per sample {min(outs):.0f}..{max(outs):.0f} (update means)" if outs else ""
+    return (f"{s.sps:.1f} samples/s, {s.tps:.0f} generated tokens/s, trainer busy {s.busy:.0%}, running batch "
+            f"{s.batch} (below half {s.below_half:.0%}), staleness {s.staleness}, dropped {s.dropped}, "
+            f"over bound {s.over_bound}{out}")
 
 
 def by_samples(records: list[dict]) -> list[tuple[int, float]]:
@@ -113,10 +142,17 @@ def main() -> int:
                    help="override a topology field (dotted key, YAML value), e.g. --set learning_rate 5e-6")
     p.add_argument("--repeats", type=int, default=1, help="pairs of runs (async then sync), seed k in the k-th "
                    "(model.seed and agent.seed): mean and spread per mode instead of one pair's curves")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="one pair of runs per seed given (as --repeats, with the seeds named)")
+    p.add_argument("--save", type=Path, default=None, help="write each run's curve and summary as JSON here")
+    p.add_argument("--combine", type=Path, nargs="+", default=None,
+                   help="run nothing: the seeds' summary over --save folders of earlier invocations")
     p.add_argument("--via", choices=("bus", "gateway"), default="bus",
                    help="how the agent reaches the policy (the default topology uses the gateway; 'bus' "
                         "skips the HTTP layer, which on 2 cores costs a third of the throughput)")
     args = p.parse_args()
+    if args.combine:
+        return report(load_pairs(args.combine))
     if not (args.model / "config.json").exists():
         print(f"no model at {args.model}: run `python scripts/warmstart.py --out {args.model}` first", file=sys.stderr)
         return 2
@@ -144,16 +180,15 @@ def main() -> int:
           f"{parsed.max_steps} updates = {parsed.max_steps * parsed.global_batch_size} samples per mode, "
           f"staleness {parsed.staleness_threshold}, eval every {parsed.trainer_engine.eval_interval} updates on "
           f"{parsed.trainer_engine.eval_episodes} held-out games")
-    if args.repeats > 1:
-        return repeated(args, base)
-    res = {}
-    for mode in ("async", "sync"):
-        records, wall = run_mode(mode, base, args.model.resolve(), args.keep_logs)
-        res[mode] = (curve(records), wall, sum(r["samples"] for r in records))
-        print(f"  {mode}: {lengths(records)}", flush=True)
+    seeds = args.seeds if args.seeds is not None else (list(range(args.repeats)) if args.repeats > 1 else None)
+    if seeds is not None:
+        return repeated(args, base, seeds)
+    res = {mode: run_mode(mode, base, args.model.resolve(), args.keep_logs) for mode in ("async", "sync")}
+    if args.save:
+        save_runs(args.save, res, None)
     print()
     print(f"{'update':>6}  {'async t(s)':>10} {'async eval':>10}  {'sync t(s)':>9} {'sync eval':>9}")
-    a, s = res["async"][0], res["sync"][0]
+    a, s = res["async"]["curve"], res["sync"]["curve"]
     for i in range(max(len(a), len(s))):
         ca = f"{a[i][1]:>10.0f} {a[i][2]:>10.3f}" if i < len(a) else " " * 21
         cs = f"{s[i][1]:>9.0f} {s[i][2]:>9.3f}" if i < len(s) else ""
@@ -164,42 +199,79 @@ def main() -> int:
     # four times over: one game changing moves the eval by 0.0625. The mean of the last three
     # evaluations is the steadier "final".
     ma, ms = (sum(p[2] for p in x[-3:]) / len(x[-3:]) for x in (a, s))
-    wa, ws = res["async"][1], res["sync"][1]
+    wa, ws = res["async"]["wall"], res["sync"]["wall"]
     print(f"\nwarm start {start:.3f} -> async {fa:.3f} (+{fa - start:.3f}), sync {fs:.3f} (+{fs - start:.3f}); "
           f"|async - sync| = {abs(fa - fs):.3f}")
     print(f"mean of the last 3 evaluations: async {ma:.3f}, sync {ms:.3f}; |async - sync| = {abs(ma - ms):.3f}")
     print(f"wall clock: async {wa:.0f} s, sync {ws:.0f} s, async {ws / wa:.2f}x faster; "
-          f"samples: async {res['async'][2]}, sync {res['sync'][2]}")
-    save_plot({m: r[0] for m, r in res.items()}, args.plot)
+          f"samples: async {res['async']['samples']}, sync {res['sync']['samples']}")
+    save_plot({m: r["curve"] for m, r in res.items()}, args.plot)
     print(f"plot: {args.plot}")
     print(f"RESULT warm_start={start:.3f} async_final={fa:.3f} sync_final={fs:.3f} gap={abs(fa - fs):.3f} "
           f"last3_gap={abs(ma - ms):.3f} async_wall_s={wa:.0f} sync_wall_s={ws:.0f} speedup={ws / wa:.2f}")
     return 0
 
 
-def repeated(args, base: dict) -> int:
-    """``--repeats`` pairs: each run's final and last-three metric, wall time and samples, then per mode
-    the mean and standard deviation, and per pair async - sync at equal samples (the sync run's metric
-    against async's at the same count of trained samples, where async trained fewer)."""
-    import statistics
+def save_runs(folder: Path, pair: dict, seed: int | None) -> None:
+    """Each run of a pair as ``folder/<mode>[-seed<k>].json`` (what ``--combine`` reads back)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for mode, run in pair.items():
+        name = f"{mode}.json" if seed is None else f"{mode}-seed{seed}.json"
+        (folder / name).write_text(json.dumps({**run, "seed": seed}))
 
-    rows = {"async": [], "sync": []}
-    gaps = []
-    for k in range(args.repeats):
+
+def load_pairs(folders: list[Path]) -> dict[int, dict]:
+    """{seed: {mode: run}} from ``--save`` folders; a seed needs both modes."""
+    pairs: dict[int, dict] = {}
+    for folder in folders:
+        for f in sorted(folder.glob("*-seed*.json")):
+            run = json.loads(f.read_text())
+            pairs.setdefault(run["seed"], {})[run["mode"]] = run
+    whole = {k: v for k, v in pairs.items() if set(v) == {"async", "sync"}}
+    if not whole:
+        raise SystemExit(f"--combine: no seed with both an async and a sync run in {', '.join(map(str, folders))}")
+    return dict(sorted(whole.items()))
+
+
+def repeated(args, base: dict, seeds: list[int]) -> int:
+    """One pair of runs (async then sync) per seed (model.seed and agent.seed), then ``report``."""
+    pairs = {}
+    for k in seeds:
         pair = {}
         for mode in ("async", "sync"):
             topo = json.loads(json.dumps(base))
             topo.setdefault("model", {})["seed"] = k
             topo.setdefault("agent", {})["seed"] = k
-            records, wall = run_mode(mode, topo, args.model.resolve(), args.keep_logs)
-            pts = by_samples(records)
+            pair[mode] = run_mode(mode, topo, args.model.resolve(), args.keep_logs, tag=f"-seed{k}")
+        if args.save:
+            save_runs(args.save, pair, k)
+        pairs[k] = pair
+    return report(pairs)
+
+
+def report(pairs: dict[int, dict]) -> int:
+    """Each run's final and last-three metric, wall time and samples; per mode the mean and standard
+    deviation over seeds; per seed async - sync at equal samples (sync's metric against async's at the
+    same count of trained samples, where async trained fewer) and the wall time async took to first
+    reach sync's final last-three mean."""
+    import statistics
+
+    rows = {"async": [], "sync": []}
+    gaps, catch = [], []
+    for k, pair in pairs.items():
+        for mode in ("async", "sync"):
+            run = pair[mode]
+            pts = [tuple(x) for x in run["points"]]
             last3 = sum(v for _, v in pts[-3:]) / len(pts[-3:])
-            pair[mode] = pts
-            rows[mode].append((pts[-1][1], last3, wall, pts[-1][0]))
-            print(f"  seed {k} {mode}: start {pts[0][1]:.3f} final {pts[-1][1]:.3f} last-3 {last3:.3f}, {wall:.0f} s, "
-                  f"{pts[-1][0]} samples", flush=True)
-        n = min(pair["async"][-1][0], pair["sync"][-1][0])
-        gaps.append(at_samples(pair["async"], n) - at_samples(pair["sync"], n))
+            rows[mode].append((pts[-1][1], last3, run["wall"], pts[-1][0]))
+            print(f"  seed {k} {mode}: start {pts[0][1]:.3f} final {pts[-1][1]:.3f} last-3 {last3:.3f}, "
+                  f"{run['wall']:.0f} s, {pts[-1][0]} samples; {run.get('system', '')}", flush=True)
+        a, s = ([tuple(x) for x in pair[m]["points"]] for m in ("async", "sync"))
+        n = min(a[-1][0], s[-1][0])
+        gaps.append(at_samples(a, n) - at_samples(s, n))
+        target = rows["sync"][-1][1]
+        reached = [t for _, t, v in pair["async"]["curve"] if v >= target]
+        catch.append(reached[0] if reached else None)
     print()
     sd = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0
     fields = []
@@ -208,9 +280,12 @@ def repeated(args, base: dict) -> int:
         print(f"{mode:5s}: final {statistics.mean(f):.3f} +- {sd(f):.3f}, last-3 {statistics.mean(l3):.3f} +- "
               f"{sd(l3):.3f}, wall {statistics.mean(w):.0f} +- {sd(w):.0f} s over {len(rs)} seeds")
         fields += [f"{mode}_final_mean={statistics.mean(f):.3f}", f"{mode}_final_sd={sd(f):.3f}",
-                   f"{mode}_wall_s={statistics.mean(w):.0f}"]
+                   f"{mode}_last3_mean={statistics.mean(l3):.3f}", f"{mode}_wall_s={statistics.mean(w):.0f}"]
     print(f"async - sync at equal samples, per seed: {' '.join(f'{g:+.3f}' for g in gaps)}; mean "
           f"{statistics.mean(gaps):+.3f}")
+    print("async first at sync's final last-3 mean, per seed: "
+          + " ".join("never" if c is None else f"{c:.0f} s" for c in catch)
+          + f" (sync's wall: {' '.join(f'{r[2]:.0f} s' for r in rows['sync'])})")
     print("RESULT " + " ".join(fields) + f" equal_samples_gap_mean={statistics.mean(gaps):+.3f}")
     return 0
 
