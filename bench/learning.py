@@ -144,6 +144,8 @@ def main() -> int:
                    "(model.seed and agent.seed): mean and spread per mode instead of one pair's curves")
     p.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="one pair of runs per seed given (as --repeats, with the seeds named)")
+    p.add_argument("--modes", nargs="+", choices=("async", "sync"), default=["async", "sync"],
+                   help="with --seeds: run only these modes (e.g. an async variant against a saved sync run)")
     p.add_argument("--save", type=Path, default=None, help="write each run's curve and summary as JSON here")
     p.add_argument("--combine", type=Path, nargs="+", default=None,
                    help="run nothing: the seeds' summary over --save folders of earlier invocations")
@@ -238,7 +240,7 @@ def repeated(args, base: dict, seeds: list[int]) -> int:
     pairs = {}
     for k in seeds:
         pair = {}
-        for mode in ("async", "sync"):
+        for mode in args.modes:
             topo = json.loads(json.dumps(base))
             topo.setdefault("model", {})["seed"] = k
             topo.setdefault("agent", {})["seed"] = k
@@ -246,6 +248,8 @@ def repeated(args, base: dict, seeds: list[int]) -> int:
         if args.save:
             save_runs(args.save, pair, k)
         pairs[k] = pair
+    if set(args.modes) != {"async", "sync"}:
+        return 0  # one mode: its runs printed above, and saved for --combine with the other's
     return report(pairs)
 
 

@@ -80,6 +80,26 @@ def test_an_update_raises_the_likelihood_of_rewarded_samples(model_dir):
     assert stats["mean_w"] == pytest.approx(1.0, abs=1e-3)  # behaviour == proximal: fresh samples
 
 
+def test_dropped_members_rewards_move_their_groups_baseline(model_dir):
+    """A group's survivors judged against the whole group: with two dropped losers (reward 0) in each
+    group's baseline, the winners' advantage grows and the losers' shrinks in size: a different update."""
+    from areal_bus.loss import grpo_advantages
+
+    trajs = _episodes(model_dir)
+    baseline = [(g, 0.0) for g in ("g0", "g1") for _ in range(2)]
+    rewards = [t.reward for t in trajs]
+    alone = grpo_advantages(rewards, [t.group_id for t in trajs])
+    whole = grpo_advantages(rewards + [0.0] * 4, [t.group_id for t in trajs] + [g for g, _ in baseline])[:8]
+    assert (whole > alone).all()  # winners 1.0 -> 1.41, losers -1.0 -> -0.71
+    first = TorchTrainEngine(_topo(model_dir), model_dir)
+    second = TorchTrainEngine(_topo(model_dir), model_dir)
+    a = first.train(trajs, version=0)
+    b = second.train(trajs, version=0, baseline=baseline)
+    assert a["loss"] != pytest.approx(b["loss"], rel=1e-3)
+    moved = [not torch.equal(p, q) for p, q in zip(first.model.parameters(), second.model.parameters())]
+    assert any(moved)
+
+
 def test_bf16_compute_copy_and_autocast_make_the_same_update_over_float32_masters(model_dir):
     """model.dtype bfloat16: both mixed-precision modes keep float32 masters and AdamW state and make the
     update the float32 engine makes, up to bf16 rounding; the copy is the masters cast after the step."""

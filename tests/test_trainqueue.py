@@ -120,6 +120,25 @@ def test_a_member_dropped_as_stale_still_completes_its_group(make_traj):
     assert not q.left  # every member gone: nothing kept for the group
 
 
+def test_the_rewards_of_members_dropped_as_stale_go_with_their_group_once(make_traj):
+    """The slow members are the ones a consume-time drop takes: their rewards stay in the group's
+    baseline (engine.train's ``baseline``), handed out with the group's batch and never again."""
+    q = TrainQueue(64, trigger=2, max_batch=8, staleness=2, exact=False, group_size=4)
+    for i in range(2):  # two long answers, started 3 versions back, both wrong
+        q.offer(make_traj(f"g-{i}", ticket=i, versions=(0,), group_id="g", reward=0.0))
+    for i in range(2, 4):
+        q.offer(make_traj(f"g-{i}", ticket=i, versions=(1,), group_id="g", reward=1.0))
+    q.offer(make_traj("h-0", ticket=9, versions=(0,), group_id="h", reward=0.5))  # a group all dropped
+    assert sorted(t.traj_id for t in q.drop_stale(version=3)) == ["g-0", "g-1", "h-0"]
+    assert sorted(t.traj_id for t in q.take_batch(3)) == ["g-2", "g-3"]
+    assert q.batch_baseline == [("g", 0.0), ("g", 0.0)]
+    assert "g" not in q.dropped_rewards
+    for i in range(1, 4):  # h's other members: dropped too, nothing kept once the group is gone
+        q.offer(make_traj(f"h-{i}", ticket=10 + i, versions=(0,), group_id="h", reward=0.5))
+    q.drop_stale(version=3)
+    assert not q.dropped_rewards and not q.left
+
+
 def test_a_global_batch_of_incomplete_groups_is_taken_oldest_first(make_traj):
     """A member that never comes (its episode failed upstream) must not hold the queue for ever."""
     q = TrainQueue(64, trigger=2, max_batch=4, staleness=2, exact=False, group_size=4)

@@ -140,7 +140,7 @@ class SimTrainEngine:
     def modelled_seconds(self, tokens: int) -> float:
         return self.cfg.update_overhead_s + tokens * self.cfg.time_per_token_s / self.train_workers
 
-    def train(self, batch: list[Trajectory], version: int) -> dict:
+    def train(self, batch: list[Trajectory], version: int, baseline=()) -> dict:  # no advantages: baseline unused
         tokens = sum(t.num_tokens for t in batch)
         time.sleep(self.modelled_seconds(tokens))
         rewards = [t.reward for t in batch if t.reward is not None]

@@ -208,11 +208,11 @@ class ParallelTrainEngine(TorchTrainEngine):
         super().__init__(topo, model_path, publisher=publisher, dp=group, device=device)
         self._step_one_by_one()
 
-    def train(self, batch, version: int) -> dict:
+    def train(self, batch, version: int, baseline=()) -> dict:
         # An update that raises leaves the other ranks inside a collective (or a rank is gone): the
         # group cannot go on, so the process exits and supervisord restarts every rank (torch_dp).
         try:
-            return super().train(batch, version)
+            return super().train(batch, version, baseline)
         except Exception as exc:  # noqa: BLE001 -- any: the ranks are out of step whatever it was
             self.group.abort(exc)
             raise

@@ -140,10 +140,14 @@ class TorchTrainEngine:
         return autocast(self.device, self.dtype) if self.copy is None else contextlib.nullcontext()
 
     # -- one update ----------------------------------------------------------------------------
-    def train(self, batch: list[Trajectory], version: int) -> dict:
+    def train(self, batch: list[Trajectory], version: int, baseline=()) -> dict:
         rewards = torch.tensor([float(t.reward or 0.0) for t in batch])
-        adv = grpo_advantages(rewards, [t.group_id or t.traj_id for t in batch],
-                              std_normalize=self.cfg.adv_std_normalize, leave_one_out=self.cfg.adv_leave_one_out)
+        # Members of these groups dropped before training (``baseline``) still belong to their group's
+        # mean and spread: a group whose slow (long) answers were dropped is not judged by its fast ones alone.
+        everyone = torch.cat([rewards, torch.tensor([float(r) for _, r in baseline])])
+        adv = grpo_advantages(everyone, [t.group_id or t.traj_id for t in batch] + [g for g, _ in baseline],
+                              std_normalize=self.cfg.adv_std_normalize,
+                              leave_one_out=self.cfg.adv_leave_one_out)[: len(batch)]
         data = pad_batch(batch, adv)
         if self.dp is not None:
             self.dp.send(data)  # every rank gets the whole padded batch and takes its own rows

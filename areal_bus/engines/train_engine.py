@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Protocol
 
 from areal_bus.messages import Trajectory
@@ -32,8 +33,10 @@ class TrainEngine(Protocol):
     vocab_size: int | None
     """Rows of the model's embedding: a token id must be below it (None: any id, a simulated engine)."""
 
-    def train(self, batch: list[Trajectory], version: int) -> dict:
+    def train(self, batch: list[Trajectory], version: int, baseline: Sequence[tuple[str, float]] = ()) -> dict:
         """One policy update on ``batch``, from the weights of ``version`` to those of ``version + 1``.
+        ``baseline``: (group_id, reward) of members of the batch's GRPO groups that are not in it (dropped
+        as over-stale): they count in their group's advantage baseline and spread, never in the loss.
         Returns stats (``loss``, ``reward``, ``tokens`` and whatever else the engine measures)."""
 
     def export_weights(self, version: int) -> tuple[str, int]:

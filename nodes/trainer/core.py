@@ -11,6 +11,9 @@ is trained whose oldest token is more than staleness_threshold versions behind t
 starts unless it could be consumed within staleness_threshold versions), every admitted sample is
 trained, and those trained over the threshold are counted per update (``over_bound`` in
 train_steps.jsonl, the ``trained_over_bound`` metric) beside the batch's staleness histogram.
+A member of a GRPO group dropped as over-stale still counts in its group's advantage baseline (its
+reward goes with the group's batch as ``Job.baseline``): the drop takes the slow answers, and the
+survivors judged among themselves would be compared with the fast ones only.
 
 ``TrainerCore`` holds the run's protocol state (version and lineage, the run epoch, the consumed ids,
 the trained total and the per-source totals that admission is computed from) and the spool. Each
@@ -90,6 +93,12 @@ class TrainQueue:
         self.left: collections.OrderedDict[str, int] = collections.OrderedDict()  # group -> members gone
         self.arrived: dict[str, float] = {}  # group -> when its first waiting member came
         self.released: set[str] = set()  # groups taken as they are (a restart's backlog: some members trained before)
+        # Rewards of members dropped as over-stale, by group, until the group's trained members go: they stay
+        # in the group's GRPO baseline (the slow members are the ones a consume-time drop takes, so the
+        # survivors alone would be compared with the short answers only). In memory: after a restart a
+        # group's baseline is its trained members.
+        self.dropped_rewards: dict[str, list[float]] = {}
+        self.batch_baseline: list[tuple[str, float]] = []  # those of the last batch take_batch gave
         self.clock = clock
 
     @property
@@ -132,9 +141,18 @@ class TrainQueue:
 
     def drop_stale(self, version: int) -> list[m.Trajectory]:
         out = [t for t in self.buffer.values() if is_over_stale(version, t.start_version, self.staleness)]
+        for t in out:
+            if t.group_id and self.group_size > 1 and t.reward is not None:
+                self.dropped_rewards.setdefault(t.group_id, []).append(float(t.reward))
         self._remove(out)
         self.stale += len(out)
         return out
+
+    def _baseline_for(self, batch: list[m.Trajectory]) -> list[tuple[str, float]]:
+        """(group, reward) of the dropped members of ``batch``'s groups (engine.train's ``baseline``),
+        handed out once: a group's later batch (a split group) gets none again."""
+        groups = dict.fromkeys(t.group_id for t in batch if t.group_id)
+        return [(g, r) for g in groups for r in self.dropped_rewards.pop(g, [])]
 
     def take_batch(self, version: int) -> list[m.Trajectory] | None:
         """A batch if one is ready: oldest policy versions first (they are closest to the bound),
@@ -153,6 +171,7 @@ class TrainQueue:
             if not whole and len(self.buffer) < self.max_batch and waited < GROUP_WAIT_S:
                 return None
             batch = whole or batch  # overflow or timeout: oldest first, groups as they are
+        self.batch_baseline = self._baseline_for(batch)  # before _remove: a group done there forgets its drops
         self._remove(batch)
         return batch
 
@@ -184,8 +203,10 @@ class TrainQueue:
         self.left.move_to_end(group)
         if self.left[group] >= self.group_size:
             del self.left[group]  # every member has gone: the group is done
+            if not any(t.group_id == group for t in self.buffer.values()):
+                self.dropped_rewards.pop(group, None)  # every member dropped: no batch will use them
         while len(self.left) > SEEN_IDS_MAX:
-            self.left.popitem(last=False)
+            self.dropped_rewards.pop(self.left.popitem(last=False)[0], None)
 
 
 @dataclass
@@ -198,6 +219,7 @@ class Job:
     batch: list = field(default_factory=list)  # train: the trajectories
     evaluate: bool = False  # train: evaluate the new weights after the update
     wait_s: float = 0.0  # train: how long the trainer sat idle before it
+    baseline: list = field(default_factory=list)  # train: (group, reward) of the groups' dropped members
     staleness: dict = field(default_factory=dict)  # train: {staleness: samples} of the batch
     state: dict = field(default_factory=dict)  # save: the run state the checkpoint gets (write_run_state)
     covers: list = field(default_factory=list)  # save: spool rows it covers, pruned once the next one is sealed
@@ -407,7 +429,10 @@ class TrainerCore:
                 del self.suspects[t.traj_id]
             out.add(self._drop_stale(over, now))
         probe, batch = self._probe()
-        batch = batch or self.queue.take_batch(self.version)
+        baseline: list[tuple[str, float]] = []
+        if batch is None:
+            batch = self.queue.take_batch(self.version)
+            baseline = self.queue.batch_baseline
         if batch is None:
             return out
         if probe:
@@ -425,6 +450,7 @@ class TrainerCore:
         self.metrics.inc("idle_seconds", wait)
         every = self.topo.trainer_engine.eval_interval
         out.job = Job("train", self.version, now, batch=batch, evaluate=every > 0 and (self.version + 1) % every == 0,
+                      baseline=baseline,
                       wait_s=wait, staleness={str(k): c for k, c in sorted(hist.items())}, probe=probe,
                       over_bound=over_bound)
         return out

@@ -159,7 +159,7 @@ class TrainerIO:
         if (marker := os.environ.get(CRASH_ON_ENV)) and any(t.traj_id.startswith(marker) for t in job.batch):
             os.kill(os.getpid(), signal.SIGSEGV)
         try:
-            stats = self.engine.train(job.batch, job.version)
+            stats = self.engine.train(job.batch, job.version, job.baseline)
         except Exception as exc:  # noqa: BLE001 -- any error of the update is the batch's: see finished_job
             raise TrainFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc()) from exc
         if job.evaluate:
