@@ -16,8 +16,8 @@ engines to the weight buffers the rollout workers read (CUDA IPC on a GPU, share
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 from areal_bus.messages import Trajectory

@@ -203,7 +203,7 @@ class TrainQueue:
         self.left.move_to_end(group)
         if self.left[group] >= self.group_size:
             del self.left[group]  # every member has gone: the group is done
-            if not any(t.group_id == group for t in self.buffer.values()):
+            if group in self.dropped_rewards and not any(t.group_id == group for t in self.buffer.values()):
                 self.dropped_rewards.pop(group, None)  # every member dropped: no batch will use them
         while len(self.left) > SEEN_IDS_MAX:
             self.dropped_rewards.pop(self.left.popitem(last=False)[0], None)
