@@ -103,6 +103,17 @@ def test_over_stale_samples_are_dropped_counted_per_source_and_acked_as_stale(ma
     assert core.metrics.counters["stale_dropped"] == 1
 
 
+def test_an_update_carries_its_groups_dropped_members_as_their_baseline(make_traj):
+    core = _core(start=Start("epoch-1", version=3), agent={"group_size": 2})
+    core.receive([make_traj("g-0", ticket=0, versions=(1,), group_id="g", reward=0.0),  # over-stale
+                  make_traj("g-1", ticket=1, versions=(2,), group_id="g", reward=1.0),
+                  make_traj("h-0", ticket=2, versions=(2,), group_id="h", reward=1.0),
+                  make_traj("h-1", ticket=3, versions=(2,), group_id="h", reward=0.0)])
+    job = core.next_job(1.0).job
+    assert sorted(t.traj_id for t in job.batch) == ["g-1", "h-0", "h-1"]
+    assert job.baseline == [("g", 0.0)]
+
+
 # -- duplicate suppression --------------------------------------------------------------------------
 def test_a_resent_id_is_acked_as_a_duplicate_and_not_queued_twice(make_traj):
     core = _core()
