@@ -130,9 +130,10 @@ def test_the_rewards_of_members_dropped_as_stale_go_with_their_group_once(make_t
         q.offer(make_traj(f"g-{i}", ticket=i, versions=(1,), group_id="g", reward=1.0))
     q.offer(make_traj("h-0", ticket=9, versions=(0,), group_id="h", reward=0.5))  # a group all dropped
     assert sorted(t.traj_id for t in q.drop_stale(version=3)) == ["g-0", "g-1", "h-0"]
-    assert sorted(t.traj_id for t in q.take_batch(3)) == ["g-2", "g-3"]
-    assert q.batch_baseline == [("g", 0.0), ("g", 0.0)]
-    assert "g" not in q.dropped_rewards
+    batch = q.take_batch(3)
+    assert sorted(t.traj_id for t in batch) == ["g-2", "g-3"]
+    assert q.baseline_for(batch) == [("g", 0.0), ("g", 0.0)]
+    assert "g" not in q.dropped_rewards and q.baseline_for(batch) == []
     for i in range(1, 4):  # h's other members: dropped too, nothing kept once the group is gone
         q.offer(make_traj(f"h-{i}", ticket=10 + i, versions=(0,), group_id="h", reward=0.5))
     q.drop_stale(version=3)

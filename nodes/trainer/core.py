@@ -98,7 +98,6 @@ class TrainQueue:
         # survivors alone would be compared with the short answers only). In memory: after a restart a
         # group's baseline is its trained members.
         self.dropped_rewards: dict[str, list[float]] = {}
-        self.batch_baseline: list[tuple[str, float]] = []  # those of the last batch take_batch gave
         self.clock = clock
 
     @property
@@ -145,10 +144,14 @@ class TrainQueue:
             if t.group_id and self.group_size > 1 and t.reward is not None:
                 self.dropped_rewards.setdefault(t.group_id, []).append(float(t.reward))
         self._remove(out)
+        for group in {t.group_id for t in out} - self.left.keys():
+            self.dropped_rewards.pop(group, None)  # its last member dropped: no batch will use them
+        while len(self.dropped_rewards) > SEEN_IDS_MAX:
+            del self.dropped_rewards[next(iter(self.dropped_rewards))]
         self.stale += len(out)
         return out
 
-    def _baseline_for(self, batch: list[m.Trajectory]) -> list[tuple[str, float]]:
+    def baseline_for(self, batch: list[m.Trajectory]) -> list[tuple[str, float]]:
         """(group, reward) of the dropped members of ``batch``'s groups (engine.train's ``baseline``),
         handed out once: a group's later batch (a split group) gets none again."""
         groups = dict.fromkeys(t.group_id for t in batch if t.group_id)
@@ -171,7 +174,6 @@ class TrainQueue:
             if not whole and len(self.buffer) < self.max_batch and waited < GROUP_WAIT_S:
                 return None
             batch = whole or batch  # overflow or timeout: oldest first, groups as they are
-        self.batch_baseline = self._baseline_for(batch)  # before _remove: a group done there forgets its drops
         self._remove(batch)
         return batch
 
@@ -203,10 +205,8 @@ class TrainQueue:
         self.left.move_to_end(group)
         if self.left[group] >= self.group_size:
             del self.left[group]  # every member has gone: the group is done
-            if group in self.dropped_rewards and not any(t.group_id == group for t in self.buffer.values()):
-                self.dropped_rewards.pop(group, None)  # every member dropped: no batch will use them
         while len(self.left) > SEEN_IDS_MAX:
-            self.dropped_rewards.pop(self.left.popitem(last=False)[0], None)
+            self.left.popitem(last=False)
 
 
 @dataclass
@@ -429,10 +429,7 @@ class TrainerCore:
                 del self.suspects[t.traj_id]
             out.add(self._drop_stale(over, now))
         probe, batch = self._probe()
-        baseline: list[tuple[str, float]] = []
-        if batch is None:
-            batch = self.queue.take_batch(self.version)
-            baseline = self.queue.batch_baseline
+        batch = batch or self.queue.take_batch(self.version)
         if batch is None:
             return out
         if probe:
@@ -450,7 +447,7 @@ class TrainerCore:
         self.metrics.inc("idle_seconds", wait)
         every = self.topo.trainer_engine.eval_interval
         out.job = Job("train", self.version, now, batch=batch, evaluate=every > 0 and (self.version + 1) % every == 0,
-                      baseline=baseline,
+                      baseline=[] if probe else self.queue.baseline_for(batch),
                       wait_s=wait, staleness={str(k): c for k, c in sorted(hist.items())}, probe=probe,
                       over_bound=over_bound)
         return out
