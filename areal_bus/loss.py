@@ -51,6 +51,8 @@ def decoupled_ppo_loss(
     eps_clip: float = 0.2,
     eps_clip_high: float | None = None,
     behav_imp_weight_cap: float | None = 5.0,
+    *,
+    tensor_stats: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """AReaL's decoupled PPO loss (eq. 5) and its diagnostics.
 
@@ -90,7 +92,9 @@ def decoupled_ppo_loss(
     and ``loss`` is 0 (with a graph back to ``logprobs``) when ``sum(loss_mask) == 0``.
 
     Returns ``(loss, stats)``; ``stats`` are python floats computed without gradient, each over the
-    masked-in tokens (``loss_mask`` weights, the capped tokens included), 0.0 when there are none:
+    masked-in tokens (``loss_mask`` weights, the capped tokens included), 0.0 when there are none
+    (with ``tensor_stats``, 0-d tensors on the inputs' device instead: no host synchronisation, so a
+    trainer on a GPU can queue the next micro-batch while this one runs):
 
     * ``clip_fraction`` -- fraction of tokens whose clipped term is strictly smaller than the
       unclipped one, ``clip(r) * A < r * A``: those where the clipped term is the active min and the
@@ -143,12 +147,14 @@ def decoupled_ppo_loss(
         capped = on & ~keep
         clipped = on & (surr_clipped < surr)
         stats = {
-            "clip_fraction": masked_mean(clipped.to(mask.dtype), mask).item(),
-            "capped_fraction": masked_mean(capped.to(mask.dtype), mask).item(),
-            "mean_w": masked_mean(w, mask).item(),
-            "mean_r": masked_mean(r, mask).item(),
-            "approx_kl": masked_mean(r - 1.0 - log_r, mask).item(),
+            "clip_fraction": masked_mean(clipped.to(mask.dtype), mask),
+            "capped_fraction": masked_mean(capped.to(mask.dtype), mask),
+            "mean_w": masked_mean(w, mask),
+            "mean_r": masked_mean(r, mask),
+            "approx_kl": masked_mean(r - 1.0 - log_r, mask),
         }
+    if not tensor_stats:
+        stats = {k: v.item() for k, v in stats.items()}
     return loss, stats
 
 

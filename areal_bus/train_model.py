@@ -169,9 +169,14 @@ class ComputeCopy:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """The copy := the masters, cast (after every optimizer step and every load of the masters)."""
-        for m, c in self._pairs:
-            c.copy_(m)
+        """The copy := the masters, cast (after every optimizer step and every load of the masters):
+        one multi-tensor copy (a few kernels, not one per weight)."""
+        copies, masters = [c for _, c in self._pairs], [m for m, _ in self._pairs]
+        try:
+            torch._foreach_copy_(copies, masters)
+        except (RuntimeError, NotImplementedError):  # a build without the multi-tensor copy of mixed dtypes
+            for c, m in zip(copies, masters):
+                c.copy_(m)
 
 
 def export_state_dict(state_dict: dict[str, torch.Tensor], config, dtype: torch.dtype | str) -> dict[str, torch.Tensor]:
@@ -204,7 +209,9 @@ class Packed:
 
     ``ids``/``positions`` are [1, N]; ``mask``/``behav``/``adv`` are [N], aligned with ``ids`` (entry t
     belongs to token t: its loss weight, the logprob the sampler recorded, its advantage); ``rows``
-    holds each sample's index in the mini-batch and its span (start, length) in the row."""
+    holds each sample's index in the mini-batch and its span (start, length) in the row; ``cu`` the
+    samples' cumulative lengths ([samples + 1], int32: what varlen attention takes), made with the rest
+    so that a forward on a GPU copies nothing from the host."""
 
     ids: torch.Tensor
     positions: torch.Tensor
@@ -212,14 +219,29 @@ class Packed:
     behav: torch.Tensor
     adv: torch.Tensor
     rows: list[tuple[int, int, int]]
+    cu: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
         return int(self.ids.shape[1])
 
+    @property
+    def longest(self) -> int:
+        return max(n for _, _, n in self.rows)
+
+    def cu_lengths(self) -> torch.Tensor:
+        if self.cu is not None and self.cu.device == self.ids.device:
+            return self.cu
+        lengths = torch.tensor([0] + [n for _, _, n in self.rows])
+        return lengths.cumsum(0).to(device=self.ids.device, dtype=torch.int32)
+
     def to(self, device) -> Packed:
-        return Packed(self.ids.to(device), self.positions.to(device), self.mask.to(device), self.behav.to(device),
-                      self.adv.to(device), self.rows)
+        """On ``device``; the copies are queued (non_blocking), not waited for: the host goes on
+        launching work while the last update still runs (stream order makes it safe)."""
+        move = lambda t: t.to(device, non_blocking=True)
+        cu = self.cu if self.cu is not None else self.cu_lengths()
+        return Packed(move(self.ids), move(self.positions), move(self.mask), move(self.behav), move(self.adv),
+                      self.rows, move(cu))
 
 
 def pack(samples: list[dict], max_tokens: int) -> list[Packed]:
@@ -254,8 +276,9 @@ def _pack_group(samples: list[dict], idx: list[int]) -> Packed:
         start += n
     cat = lambda key, dtype: torch.cat([torch.as_tensor(samples[i][key]).to(dtype) for i in idx])
     positions = torch.cat([torch.arange(len(samples[i]["ids"])) for i in idx])
+    cu = torch.tensor([0] + [n for _, _, n in rows]).cumsum(0).to(torch.int32)
     return Packed(cat("ids", torch.long)[None], positions[None], cat("mask", torch.float32),
-                  cat("behav", torch.float32), cat("adv", torch.float32), rows)
+                  cat("behav", torch.float32), cat("adv", torch.float32), rows, cu)
 
 
 # -- log-probabilities ------------------------------------------------------------------------
@@ -326,10 +349,8 @@ def packed_logprobs(model, packed: Packed, temperature: float = 1.0, *, chunk: i
     proximal one): its log-probabilities are returned detached. Entry t is 0 where token t starts a sample
     (nothing predicts it). Differentiable in the model's parameters; the logits of one chunk of
     positions exist at a time, and are recomputed in backward (checkpointing) instead of kept."""
-    lengths = torch.tensor([0] + [n for _, _, n in packed.rows])
-    cu = lengths.cumsum(0).to(device=packed.ids.device, dtype=torch.int32)
     policy = model if isinstance(model, PackedLM) else PackedLM(model)
-    return policy(packed.ids, packed.positions, cu, int(lengths.max()), temperature, chunk, entropy)
+    return policy(packed.ids, packed.positions, packed.cu_lengths(), packed.longest, temperature, chunk, entropy)
 
 
 def train_flops(n_params: int, layers: int, hidden: int, tokens: int, seq_sq_sum: int,

@@ -16,6 +16,8 @@ the same random float32 weights (a Hugging Face folder written once per shape).
             --baseline-rows rows at a time (gradient accumulated). CAVEAT (measured 2026-12-01): it runs
             ~3x slower than the old engine on rows the old engine can take, so ratios against it
             overstate a gain; compare with ``old`` on bench/trainer_parallel.py's short rows too.
+  old:M     the engine of --old-tree with trainer_engine.mixed_precision M (a tree of the same
+            engine API, e.g. ``git archive HEAD areal_bus``: a same-run baseline for a change to it).
   engine:M  today's ``TorchTrainEngine.update`` (transformers' Qwen2ForCausalLM, float32 master weights
             and AdamW state, samples packed into micro-batches of <= --micro-tokens with FlashAttention
             varlen, chunked lm_head logprobs) with trainer_engine.mixed_precision M: ``autocast`` (bf16
@@ -186,9 +188,10 @@ def make_path(name: str, cfg: dict, args, device):
     if name == "old":
         return EnginePath(cfg, args, device, old=True)
     kind, _, variant = name.partition(":")
-    if kind != "engine":
-        raise SystemExit(f"--paths: {name!r} is none of baseline, old, engine:<compute_copy|autocast>[+compile]")
-    return EnginePath(cfg, args, device, variant or "compute_copy")
+    if kind not in ("engine", "old"):
+        raise SystemExit(f"--paths: {name!r} is none of baseline, old, engine:<compute_copy|autocast>[+compile], "
+                         f"old:<compute_copy|autocast>[+compile]")
+    return EnginePath(cfg, args, device, variant or "compute_copy", old=kind == "old")
 
 
 def measure(name: str, cfg: dict, updates, args, device) -> dict:
@@ -221,7 +224,15 @@ def measure(name: str, cfg: dict, updates, args, device) -> dict:
             prof.stop()
             key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
             print(f"# profile of {name}, update {i + 1} ({dt:.3f} s)", file=sys.stderr)
-            print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=50), file=sys.stderr)
+            events = prof.key_averages()
+            cpu_s = sum(e.self_cpu_time_total for e in events) / 1e6
+            dev_s = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) / 1e6
+            syncs = sum(e.count for e in events if "Synchronize" in e.key)
+            launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+            print(f"# {name}: host (self CPU) {cpu_s:.3f} s, device {dev_s:.3f} s, {launches} kernel launches, "
+                  f"{syncs} synchronizations", file=sys.stderr)
+            print(events.table(sort_by=key, row_limit=18, max_name_column_width=50), file=sys.stderr)
+            print(events.table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=50), file=sys.stderr)
     timed = updates[args.warmup:]
     tokens = sum(s["ids"].size for u in timed for s in u)
     sq = sum(int(s["ids"].size) ** 2 for u in timed for s in u)

@@ -252,6 +252,9 @@ class ParallelTrainEngine(TorchTrainEngine):
     def _clip_grads(self) -> float:
         return clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
 
+    def _fused_optimizer(self) -> bool:
+        return False
+
     def update(self, data: dict[str, torch.Tensor]) -> dict:
         self._weights = None
         return super().update(data)

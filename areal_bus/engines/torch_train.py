@@ -104,8 +104,11 @@ class TorchTrainEngine:
         self.ref = load().eval().requires_grad_(False) if cfg.kl_coef > 0 else None
         if self.ref is not None and self.copy is not None:
             self.ref.to(self.dtype)  # never trained: its compute copy is all it needs
+        # One process on a GPU: AdamW's fused kernel (a few launches per step for every weight); a
+        # sharded layout keeps the multi-tensor default, which takes its DTensors.
+        fused = {"fused": True} if self.device.type == "cuda" and self._fused_optimizer() else {}
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=topo.learning_rate, betas=(0.9, 0.999),
-                                     weight_decay=0.0)
+                                     weight_decay=0.0, **fused)
         self.micro_tokens = cfg.micro_batch_tokens
         self.temperature = topo.rollout_engine.temperature
         self.mini_batch = topo.mini_batch_size
@@ -118,6 +121,9 @@ class TorchTrainEngine:
         """The policy to train; a parallel engine shards it here, before the optimizer takes its parameters."""
         return policy
 
+    def _fused_optimizer(self) -> bool:
+        return True
+
     def _data_shard(self) -> tuple[int, int]:
         """(index, count): this rank trains rows index::count of every mini-batch."""
         return 0, 1
@@ -127,8 +133,9 @@ class TorchTrainEngine:
         ``loss`` is already weighted by its token share, so the sum over ranks)."""
         return loss
 
-    def _clip_grads(self) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+    def _clip_grads(self) -> torch.Tensor:
+        """The gradient norm before clipping, as a 0-d tensor (read with the other diagnostics)."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
 
     def _use_compute_copy(self) -> bool:
         """A sharded model takes its precision from the layout (autocast over the shards), not a copy."""
@@ -159,11 +166,18 @@ class TorchTrainEngine:
     def update(self, data: dict[str, torch.Tensor]) -> dict:
         """The update on this rank's rows of ``data``. With data parallelism each rank holds rows
         rank::world of every mini-batch and scales its loss by its share of the mini-batch's tokens, so
-        the all-reduced gradient is exactly the single-process gradient of the mini-batch."""
+        the all-reduced gradient is exactly the single-process gradient of the mini-batch.
+
+        Nothing in it waits for the device until the end: the micro-batches' inputs are copied without
+        waiting, and the diagnostics (loss, ratios, entropy, gradient norm) stay 0-d tensors on the
+        device, summed there and read once, after the last optimizer step. On a GPU the host then runs
+        ahead launching the next micro-batch's kernels while the last one computes, instead of the two
+        taking turns."""
         t0 = time.perf_counter()
         rank, world = self._data_shard()
         B = data["ids"].shape[0]
         plans = []  # per mini-batch: this rank's micro-batches and each one's share of the mini-batch's tokens
+        ent_tokens = 0.0
         for start in range(0, B, self.mini_batch):
             mb = torch.arange(start, min(B, start + self.mini_batch))
             rows = mb[rank::world]
@@ -174,9 +188,12 @@ class TorchTrainEngine:
             packs = pack_rows(data, rows if len(rows) else mb[:1], self.micro_tokens if world == 1 else 1 << 62)
             total = float(data["mask"][mb].sum().clamp(min=1))
             plans.append([(p.to(self.device), float(p.mask.sum()) / total if len(rows) else 0.0) for p in packs])
+            if len(rows):
+                ent_tokens += sum(float(p.mask.sum()) for p in packs)
+        zero = lambda: torch.zeros((), device=self.device)
         with torch.no_grad():  # proximal policy: the weights before this update
             self.run.eval()
-            prox, ent_sum, ent_tokens = [], 0.0, 0.0
+            prox, ent_sum = [], zero()
             for plan in plans:
                 prox.append([])
                 for p, share in plan:
@@ -190,30 +207,30 @@ class TorchTrainEngine:
                                                      chunk=self.cfg.logit_chunk_tokens)[0]
                     prox[-1].append((lp, ref_lp))
                     if share > 0:  # a stand-in row is not this rank's data
-                        ent_sum += float((ent * p.mask).sum())
-                        ent_tokens += float(p.mask.sum())
+                        ent_sum = ent_sum + (ent * p.mask).sum()
         self.run.train()
-        acc: dict[str, float] = {}
+        acc: dict[str, torch.Tensor] = {}  # summed over optimizer steps, on the device
         steps = 0
         for _ in range(self.cfg.ppo_epochs):
             for plan, prox_mb in zip(plans, prox):
                 self.opt.zero_grad(set_to_none=False)
-                loss_sum = torch.zeros((), device=self.device)
-                mb_stats: dict[str, float] = {}
+                loss_sum = zero()
+                mb_stats: dict[str, torch.Tensor] = {}
                 for (p, share), (prox_lp, ref_lp) in zip(plan, prox_mb):
                     with self._compute():
                         logp, _ = packed_logprobs(self.run, p, self.temperature, chunk=self.cfg.logit_chunk_tokens)
                     loss, stats = decoupled_ppo_loss(
                         logp, prox_lp, p.behav, p.adv, p.mask, eps_clip=self.cfg.eps_clip,
-                        eps_clip_high=self.cfg.eps_clip_high, behav_imp_weight_cap=self.cfg.behav_imp_weight_cap)
+                        eps_clip_high=self.cfg.eps_clip_high, behav_imp_weight_cap=self.cfg.behav_imp_weight_cap,
+                        tensor_stats=True)
                     if ref_lp is not None:
                         kl = masked_mean(kl_penalty(logp, ref_lp, "k3"), p.mask)
                         loss = loss + self.cfg.kl_coef * kl
-                        stats["kl"] = float(kl)
+                        stats["kl"] = kl.detach()
                     (loss * share).backward()
                     loss_sum = loss_sum + loss.detach() * share
                     for k, v in stats.items():
-                        mb_stats[k] = mb_stats.get(k, 0.0) + float(v) * share
+                        mb_stats[k] = mb_stats.get(k, 0.0) + v * share
                 loss_sum = self._sync_grads(loss_sum)
                 mine = sum(share for _, share in plan)  # this rank's part of the mini-batch's tokens
                 if mine > 0:  # the diagnostics as this rank's token means (the loss is the mini-batch's)
@@ -222,13 +239,15 @@ class TorchTrainEngine:
                 self.opt.step()
                 if self.copy is not None:
                     self.copy.refresh()
-                mb_stats["loss"] = float(loss_sum)
+                mb_stats["loss"] = loss_sum
                 for k, v in mb_stats.items():
-                    acc[k] = acc.get(k, 0.0) + v
+                    acc[k] = acc.get(k, 0.0) + torch.as_tensor(v, device=self.device, dtype=torch.float32)
                 steps += 1
-        out = {k: v / steps for k, v in acc.items()}
+        names = list(acc)
+        values = torch.stack([acc[k] for k in names] + [ent_sum]).tolist() if names else [float(ent_sum)]
+        out = {k: v / steps for k, v in zip(names, values)}
         out["tokens"] = int(data["mask"].sum())
-        out["entropy"] = ent_sum / max(1.0, ent_tokens)  # this rank's tokens (with dp, rank 0's share)
+        out["entropy"] = values[-1] / max(1.0, ent_tokens)  # this rank's tokens (with dp, rank 0's share)
         out["compute_s"] = time.perf_counter() - t0
         return out
 
