@@ -366,7 +366,8 @@ def scaled_logits(logits: torch.Tensor, temperature: float | torch.Tensor) -> to
     if isinstance(temperature, torch.Tensor):
         t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
         return logits / t.view(-1, *([1] * (logits.dim() - 1)))
-    return logits / temperature if temperature > 0 else logits
+    # Temperature 1 (and 0) is the plain softmax: no division, one pass over [tokens, vocab] fewer.
+    return logits / temperature if temperature > 0 and temperature != 1 else logits
 
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:

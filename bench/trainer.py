@@ -226,7 +226,10 @@ def measure(name: str, cfg: dict, updates, args, device) -> dict:
             print(f"# profile of {name}, update {i + 1} ({dt:.3f} s)", file=sys.stderr)
             events = prof.key_averages()
             cpu_s = sum(e.self_cpu_time_total for e in events) / 1e6
-            dev_s = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) / 1e6
+            # Device time as the table's "Self CUDA time total": the kernels' own events only (an aten op's
+            # device time is its kernels', so summing every event would count it twice).
+            dev_s = sum(e.self_device_time_total for e in events
+                        if e.device_type != torch.autograd.DeviceType.CPU) / 1e6
             syncs = sum(e.count for e in events if "Synchronize" in e.key)
             launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
             print(f"# {name}: host (self CPU) {cpu_s:.3f} s, device {dev_s:.3f} s, {launches} kernel launches, "

@@ -236,3 +236,18 @@ def test_masked_mean_ignores_masked_out_entries_and_empty_masks():
     assert masked_mean(x, torch.tensor([True, False, True])).item() == pytest.approx(2.0)
     empty = masked_mean(x, torch.tensor([False, False, False]))
     assert empty.item() == 0.0 and empty.requires_grad
+
+
+def test_tensor_stats_are_the_same_numbers_left_on_the_device():
+    g = torch.Generator().manual_seed(3)
+    lp, prox, behav = (torch.randn(40, generator=g) * 0.3 - 2.0 for _ in range(3))
+    adv, mask = torch.randn(40, generator=g), (torch.rand(40, generator=g) > 0.3).float()
+    loss_f, floats = decoupled_ppo_loss(lp, prox, behav, adv, mask, eps_clip=0.1, behav_imp_weight_cap=1.2)
+    loss_t, tensors = decoupled_ppo_loss(lp, prox, behav, adv, mask, eps_clip=0.1, behav_imp_weight_cap=1.2,
+                                         tensor_stats=True)
+    assert loss_t.item() == loss_f.item()
+    assert set(tensors) == set(floats) and all(isinstance(v, float) for v in floats.values())
+    for k, v in tensors.items():
+        assert isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad
+        assert v.item() == floats[k], k
+    assert 0 < floats["clip_fraction"] < 1 and 0 < floats["capped_fraction"] < 1  # the case exercises both
