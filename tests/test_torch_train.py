@@ -3,6 +3,7 @@ what the engine recorded, and a checkpoint resumes exactly (weights, optimizer, 
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -152,3 +153,30 @@ def test_checkpoint_resumes_weights_optimizer_version_and_consumed_ids(model_dir
 
 def test_resume_state_of_an_empty_folder_is_a_fresh_start(tmp_path):
     assert resume_state(tmp_path / "none") == (None, 0, [])
+
+
+@pytest.mark.parametrize("saved_fused,own_fused", [(False, True), (True, False)])
+def test_optimizer_state_loads_across_step_kernels_keeping_this_processs_own(saved_fused, own_fused):
+    # A checkpoint of the multi-tensor path resumed by a fused optimizer (one GPU), and the other way
+    # round: the state comes back, the step options stay this optimizer's, and it steps on.
+    from areal_bus.engines.torch_train import load_optimizer_keeping_options
+
+    torch.manual_seed(0)
+    src = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+    saver = torch.optim.AdamW(src, lr=1e-2, fused=saved_fused or None)
+    for _ in range(3):
+        sum((p ** 2).sum() for p in src).backward()
+        saver.step()
+        saver.zero_grad()
+    dst = [torch.nn.Parameter(p.detach().clone()) for p in src]
+    loader = torch.optim.AdamW(dst, lr=1e-2, fused=own_fused or None)
+    load_optimizer_keeping_options(loader, copy.deepcopy(saver.state_dict()))  # as optimizer.pt would hold it
+    assert bool(loader.param_groups[0]["fused"]) == own_fused
+    for a, b in zip(src, dst):
+        torch.testing.assert_close(loader.state[b]["exp_avg"], saver.state[a]["exp_avg"])
+        assert float(loader.state[b]["step"]) == 3.0
+    for params, opt in ((src, saver), (dst, loader)):  # one more step each: the same weights
+        sum((p ** 2).sum() for p in params).backward()
+        opt.step()
+    for a, b in zip(src, dst):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

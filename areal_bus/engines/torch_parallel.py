@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from areal_bus.engines.torch_dp import _CMD_STOP, _CMD_TRAIN, DataParallel, _watch_parent
-from areal_bus.engines.torch_train import TorchTrainEngine
+from areal_bus.engines.torch_train import TorchTrainEngine, load_optimizer_keeping_options
 from areal_bus.train_model import PackedLM, save_weights
 
 CMD_WEIGHTS, CMD_OPTIMIZER, CMD_LOAD_OPTIMIZER = 2, 3, 4
@@ -318,7 +318,7 @@ class ParallelTrainEngine(TorchTrainEngine):
                     v = distribute_tensor(v.to(p.device, p.dtype), p.device_mesh, p.placements)
                 entry[k] = v
             sharded[i] = entry
-        self.opt.load_state_dict({"state": sharded, "param_groups": state["param_groups"]})
+        load_optimizer_keeping_options(self.opt, {"state": sharded, "param_groups": state["param_groups"]})
         self._step_one_by_one()
 
 

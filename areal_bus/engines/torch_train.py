@@ -310,10 +310,30 @@ class TorchTrainEngine:
         self._load_optimizer_state(state)
 
     def _load_optimizer_state(self, state: dict) -> None:
-        self.opt.load_state_dict(state)
+        load_optimizer_keeping_options(self.opt, state)
         if self.copy is not None:
             self.copy.refresh()
 
+
+
+STEP_OPTIONS = ("fused", "foreach", "capturable", "differentiable")
+"""How an optimizer steps, not what it has learned: this process's choice (a fused kernel on one GPU, the
+multi-tensor or one-by-one path elsewhere), never a checkpoint's, which may come from another layout."""
+
+
+def load_optimizer_keeping_options(opt: torch.optim.Optimizer, state: dict) -> None:
+    """``opt.load_state_dict(state)``, keeping ``opt``'s own STEP_OPTIONS (load_state_dict would take
+    the checkpoint's), with a fused optimizer's step counts where its kernel wants them: float32 on the
+    parameter's device (a checkpoint of the multi-tensor path keeps them on the host)."""
+    own = [{k: g[k] for k in STEP_OPTIONS if k in g} for g in opt.param_groups]
+    opt.load_state_dict(state)
+    for group, options in zip(opt.param_groups, own):
+        group.update(options)
+        if group.get("fused") or group.get("capturable"):
+            for p in group["params"]:
+                st = opt.state.get(p)
+                if st and "step" in st:
+                    st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).to(p.device)
 
 
 def compile_layers(policy: PackedLM) -> None:
