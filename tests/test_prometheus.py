@@ -324,10 +324,13 @@ def test_probe_node_serves_prometheus_metrics_that_grow_while_the_system_runs(ru
     assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics"), url  # loopback by default
 
     def trained():
+        # Every producer's counter in the first scrape too: the agent's and rollout's heartbeats may
+        # report their first samples a beat after the trainer has already trained some.
         fams = _http_families(url)
-        return fams if _series(fams, "areal_bus_samples", "areal_bus_samples_total").get("trainer-0") else None
+        samples = _series(fams, "areal_bus_samples", "areal_bus_samples_total")
+        return fams if all(samples.get(n) for n in ("trainer-0", "rollout-0", "agent-0")) else None
 
-    first = _wait_for(trained, 90, "the trainer's samples in a scrape", procs, root)
+    first = _wait_for(trained, 90, "the trainer's, rollout's and agent's samples in a scrape", procs, root)
     time.sleep(3)
     second = _http_families(url)
 
