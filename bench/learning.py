@@ -37,14 +37,13 @@ from bench.gpu_e2e import summarise  # noqa: E402
 from bench.harness import run_logged  # noqa: E402
 
 
-ASYNC_STEPS: int | None = None  # --async-steps
-
-
-def run_mode(mode: str, base: dict, model: Path, keep: Path | None, tag: str = "") -> dict:
-    """One run: its step records, wall time, curve and system summary (a JSON-able dict)."""
+def run_mode(mode: str, base: dict, model: Path, keep: Path | None, tag: str = "",
+             async_steps: int | None = None) -> dict:
+    """One run: its step records, wall time, curve and system summary (a JSON-able dict).
+    ``async_steps``: the async run's updates, where they differ from the topology's max_steps."""
     topo = json.loads(json.dumps(base))
-    if mode == "async" and ASYNC_STEPS:
-        topo["max_steps"] = ASYNC_STEPS
+    if mode == "async" and async_steps:
+        topo["max_steps"] = async_steps
     topo["name"] = f"learn-{mode}"
     topo["async"] = {"enabled": mode == "async"}
     topo["model"]["path"] = str(model)
@@ -167,8 +166,6 @@ def main() -> int:
         print(f"no model at {args.model}: run `python scripts/warmstart.py --out {args.model}` first", file=sys.stderr)
         return 2
     base = yaml.safe_load(args.topology.read_text())
-    global ASYNC_STEPS
-    ASYNC_STEPS = args.async_steps
     if args.steps:
         base["max_steps"] = args.steps
     for key, value in (args.set or []):  # e.g. --set learning_rate 5e-6 --set trainer_engine.eval_interval 5
@@ -195,7 +192,8 @@ def main() -> int:
     seeds = args.seeds if args.seeds is not None else (list(range(args.repeats)) if args.repeats > 1 else None)
     if seeds is not None:
         return repeated(args, base, seeds)
-    res = {mode: run_mode(mode, base, args.model.resolve(), args.keep_logs) for mode in ("async", "sync")}
+    res = {mode: run_mode(mode, base, args.model.resolve(), args.keep_logs, async_steps=args.async_steps)
+           for mode in ("async", "sync")}
     if args.save:
         save_runs(args.save, res, None)
     print()
@@ -254,7 +252,8 @@ def repeated(args, base: dict, seeds: list[int]) -> int:
             topo = json.loads(json.dumps(base))
             topo.setdefault("model", {})["seed"] = k
             topo.setdefault("agent", {})["seed"] = k
-            pair[mode] = run_mode(mode, topo, args.model.resolve(), args.keep_logs, tag=f"-seed{k}")
+            pair[mode] = run_mode(mode, topo, args.model.resolve(), args.keep_logs, tag=f"-seed{k}",
+                                  async_steps=args.async_steps)
         if args.save:
             save_runs(args.save, pair, k)
         pairs[k] = pair
