@@ -219,7 +219,7 @@ class Packed:
     behav: torch.Tensor
     adv: torch.Tensor
     rows: list[tuple[int, int, int]]
-    cu: torch.Tensor | None = None
+    cu: torch.Tensor
 
     @property
     def tokens(self) -> int:
@@ -229,19 +229,12 @@ class Packed:
     def longest(self) -> int:
         return max(n for _, _, n in self.rows)
 
-    def cu_lengths(self) -> torch.Tensor:
-        if self.cu is not None and self.cu.device == self.ids.device:
-            return self.cu
-        lengths = torch.tensor([0] + [n for _, _, n in self.rows])
-        return lengths.cumsum(0).to(device=self.ids.device, dtype=torch.int32)
-
     def to(self, device) -> Packed:
         """On ``device``; the copies are queued (non_blocking), not waited for: the host goes on
         launching work while the last update still runs (stream order makes it safe)."""
         move = lambda t: t.to(device, non_blocking=True)
-        cu = self.cu if self.cu is not None else self.cu_lengths()
         return Packed(move(self.ids), move(self.positions), move(self.mask), move(self.behav), move(self.adv),
-                      self.rows, move(cu))
+                      self.rows, move(self.cu))
 
 
 def pack(samples: list[dict], max_tokens: int) -> list[Packed]:
@@ -350,7 +343,7 @@ def packed_logprobs(model, packed: Packed, temperature: float = 1.0, *, chunk: i
     (nothing predicts it). Differentiable in the model's parameters; the logits of one chunk of
     positions exist at a time, and are recomputed in backward (checkpointing) instead of kept."""
     policy = model if isinstance(model, PackedLM) else PackedLM(model)
-    return policy(packed.ids, packed.positions, packed.cu_lengths(), packed.longest, temperature, chunk, entropy)
+    return policy(packed.ids, packed.positions, packed.cu, packed.longest, temperature, chunk, entropy)
 
 
 def train_flops(n_params: int, layers: int, hidden: int, tokens: int, seq_sq_sum: int,
