@@ -171,7 +171,7 @@ class Watchdog(threading.Thread):
         sub = open_socket(ctx, zmq.SUB, topo.endpoint("hub_out", 0, base), bind=False, subscribe=(m.TOPIC_HEARTBEAT,))
         watch = HeartbeatWatch(restart_s)
         self.say("info", "watchdog_start", topology=path, silent_s=watch.silent_s, restart_s=restart_s or "off")
-        announced: list[str] = []
+        announced: tuple[list[str], list[str]] = ([], [])
         try:
             while not self.stop.is_set():
                 deadline = time.monotonic() + HEARTBEAT_INTERVAL_S
@@ -187,9 +187,12 @@ class Watchdog(threading.Thread):
                     watch.running(running_nodes(self.rpc()), time.monotonic())
                 except Exception:  # noqa: BLE001 -- supervisord busy or shutting down: judged on heartbeats this round
                     pass
-                if watch.nodes and sorted(watch.nodes) != announced:  # what it watches, for whoever reads this log
-                    announced = sorted(watch.nodes)
-                    self.say("info", "watching", nodes=",".join(announced))
+                # What it watches and which of those it has heard (only a node heard from is ever
+                # killed), for whoever reads this log.
+                now_watching = (sorted(watch.nodes), sorted(n for n, s in watch.nodes.items() if s.heard))
+                if watch.nodes and now_watching != announced:
+                    announced = now_watching
+                    self.say("info", "watching", nodes=",".join(announced[0]), heard=",".join(announced[1]) or "-")
                 for node, action, silent in watch.check(time.monotonic(), process_alive):
                     self._act(node, action, silent, watch)
         finally:

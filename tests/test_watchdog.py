@@ -9,6 +9,7 @@ has its weights node stopped mid-run.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -86,6 +87,12 @@ def test_a_stopped_process_counts_as_alive_and_a_missing_one_does_not():
     assert not process_alive(2**22 + 12345)
 
 
+def _heard(log: str) -> list[str]:
+    """The nodes the watchdog's last ``watching`` line says it has heard from."""
+    lines = re.findall(r"\[watchdog\] info watching nodes=\S+ heard=(\S+)", log)
+    return lines[-1].split(",") if lines else []
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_stopped_weights_node_is_noticed_restarted_and_the_run_finishes():
@@ -97,10 +104,13 @@ def test_a_stopped_weights_node_is_noticed_restarted_and_the_run_finishes():
         run.start()
         wait_until(run.all_running, 60, "every process RUNNING")
         wait_until(lambda: len(run.train_steps()) >= 5, 60, "5 updates")
+        listener = run.logs / "supervisor" / "run_end.log"
+        # A node the watchdog has not heard from yet is only reported late, never killed (it may be
+        # loading its engine): stop it once the watchdog's own log says it has heard it.
+        wait_until(lambda: "weights-0" in _heard(listener.read_text()), 30, "the watchdog to hear weights-0")
         pid = run.pid("weights-0")
         os.kill(pid, signal.SIGSTOP)
         t_stop = time.monotonic()
-        listener = run.logs / "supervisor" / "run_end.log"
         wait_until(lambda: "node_stalled node=weights-0" in listener.read_text(), 30, "the watchdog to notice")
         noticed = time.monotonic() - t_stop
         wait_until(lambda: "node_restarted node=weights-0" in listener.read_text(), 30, "the watchdog's restart")
