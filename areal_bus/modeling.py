@@ -372,9 +372,17 @@ def scaled_logits(logits: torch.Tensor, temperature: float | torch.Tensor) -> to
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
     """log p(tokens) under ``scaled_logits(logits, temperature)``; logits [..., V], tokens [...]."""
+    return logprobs_and_normaliser(logits, tokens, temperature)[0]
+
+
+def logprobs_and_normaliser(logits: torch.Tensor, tokens: torch.Tensor,
+                            temperature: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``logprobs_of``, the logsumexp it subtracts): the trainer's chunked head keeps the second for its
+    backward (softmax = exp(z - logsumexp)) instead of reading the logits once more."""
     z = scaled_logits(logits, temperature)
+    lse = torch.logsumexp(z, dim=-1)
     # Gather minus logsumexp: never materialises a second [..., V] float32 tensor.
-    return z.gather(-1, tokens[..., None].long()).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    return z.gather(-1, tokens[..., None].long()).squeeze(-1) - lse, lse
 
 
 def token_logprobs(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -503,6 +511,6 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) ->
 
 __all__ = [
     "QWEN2_0_5B", "TINY_QWEN2", "TINY_LLAMA", "ModelConfig", "CausalLM", "KVCache", "as_dtype",
-    "scaled_logits", "logprobs_of", "token_logprobs", "load_safetensors", "check_state_dict",
+    "scaled_logits", "logprobs_of", "logprobs_and_normaliser", "token_logprobs", "load_safetensors", "check_state_dict",
     "load_pretrained", "save_pretrained", "save_state_dict", "make_random_model", "num_params", "kv_bytes_per_token",
 ]

@@ -220,8 +220,8 @@ class TrainerEngineConfig(_Strict):
                                     "A longer sample gets one of its own. With parallelism.dp > 1 each rank packs "
                                     "its share of a mini-batch into one (every rank must run as many as the others).")
     logit_chunk_tokens: int = Field(4096, ge=16, le=1_000_000, description="torch: positions whose logits exist at "
-                                    "once; the lm_head runs chunk by chunk under checkpointing, so no [tokens, "
-                                    "vocab] float32 tensor is ever whole.")
+                                    "once; the lm_head runs chunk by chunk, forward and backward (recomputed), "
+                                    "so no [tokens, vocab] float32 tensor is ever whole.")
     gradient_checkpointing: bool = Field(False, description="torch: recompute each decoder layer's activations in "
                                          "backward (less memory, ~1/3 more compute).")
     mixed_precision: Literal["compute_copy", "autocast"] = Field(

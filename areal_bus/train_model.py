@@ -4,8 +4,8 @@ The trainer builds the policy with ``AutoModelForCausalLM`` from the user's loca
 architecture transformers knows trains (Qwen2/2.5/3, Llama 3.x with RoPE scaling, Mistral, SmolLM2,
 ...). The hand-written decoder in ``areal_bus.modeling`` stays where it earns its place: the CPU
 rollout engine and the CUDA-graph decode path. Both sides take a token's log-probability from the
-same function, ``modeling.logprobs_of`` (tempered full softmax), so the trainer's recompute and the
-sampler's record agree by construction.
+same function, ``modeling.logprobs_of`` (tempered full softmax; the trainer's chunked head calls its
+``logprobs_and_normaliser``), so the trainer's recompute and the sampler's record agree by construction.
 
 Three things here are written by hand because no library does them for this objective:
 
@@ -14,9 +14,12 @@ Three things here are written by hand because no library does them for this obje
   attention mask and ``use_cache=False``, transformers derives a block-diagonal causal mask from
   those position ids (``masking_utils.find_packed_sequence_indices``), so attention never crosses
   samples and no padding is computed.
-* ``packed_logprobs``: the language-model head is applied to a chunk of positions at a time, and
-  each chunk runs under activation checkpointing, so no [tokens, vocab] float32 tensor is ever whole
-  (at Qwen2's 152k vocabulary, 16k tokens of logits would be 10 GB): memory is one chunk's logits.
+* ``packed_logprobs``: the language-model head is applied to a chunk of positions at a time, forward
+  and backward (``HeadLogprobs``: the chunk's logits are recomputed in backward), so no [tokens, vocab]
+  float32 tensor is ever whole (at Qwen2's 152k vocabulary, 16k tokens of logits would be 10 GB):
+  memory is one chunk's logits. On a GPU the per-chunk softmax arithmetic is compiled into one pass
+  over the bf16 logits each way, where eager torch made six float32 passes (cast, max, subtract, exp,
+  sum, and as many back).
 * mixed precision: the weights and AdamW's state stay float32 (master weights). At RL learning rates
   (1e-6) an update is far below bfloat16's resolution of a weight, so pure-bf16 training rounds most
   updates away. Compute is bf16 in one of two ways: ``ComputeCopy`` (the default in one process) keeps
@@ -24,7 +27,7 @@ Three things here are written by hand because no library does them for this obje
   backward on it and accumulates its gradients into float32 master gradients as backward produces
   them -- what FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` does per all-gather, for a model that
   is not sharded; or ``torch.autocast`` over the masters (the parallel layouts), which casts every
-  weight again at every use, in the proximal pass, the forward and the checkpointed recompute (the
+  weight again at every use, in the proximal pass, the forward and the head's recompute (the
   profile in bench/RESULTS.md: 12,800 copy/cast kernels per two updates).
 
 Quick check::
@@ -40,9 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from areal_bus.modeling import as_dtype, logprobs_of, scaled_logits
+from areal_bus.modeling import as_dtype, logprobs_and_normaliser, scaled_logits
 
 VARLEN = "areal_varlen"
 """The attention implementation the trainer registers with transformers: causal attention within each
@@ -275,22 +277,121 @@ def _pack_group(samples: list[dict], idx: list[int]) -> Packed:
 
 
 # -- log-probabilities ------------------------------------------------------------------------
-def _head_logprobs(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias, softcap, temperature):
-    logits = torch.nn.functional.linear(hidden, weight, bias)
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logprobs_of(logits, targets, temperature)
+def _capped(logits: torch.Tensor, softcap) -> torch.Tensor:
+    """The head's logits as the sampler saw them before its temperature: soft-capped where the model
+    says so (Gemma 2's final_logit_softcapping), in float32."""
+    return torch.tanh(logits.float() / softcap) * softcap if softcap else logits
 
 
-def _head_logprobs_entropy(hidden, targets, weight, bias, softcap, temperature):
-    """Both from one set of logits (no gradient: the proximal pass logs the entropy)."""
-    logits = torch.nn.functional.linear(hidden, weight, bias)
+def _chunk_logprobs(logits, targets, temperature: float, softcap, entropy: bool):
+    """(log p(targets), logsumexp, entropy or None) of one chunk: ``modeling.logprobs_of``, the rollout
+    engines' own definition, with its normaliser kept for the backward."""
+    z = scaled_logits(_capped(logits, softcap), temperature)
+    lp, lse = logprobs_and_normaliser(z, targets)
+    return lp, lse, (lse - (torch.exp(z - lse[:, None]) * z).sum(-1)) if entropy else None
+
+
+def _chunk_grad_logits(logits, targets, lse, grad, temperature: float, softcap):
+    """d(sum grad * log p(targets)) / d logits, in the logits' dtype: grad * (onehot - softmax), through
+    the temperature and the soft cap."""
+    z = scaled_logits(_capped(logits, softcap), temperature)
+    hit = torch.arange(z.shape[-1], device=z.device)[None, :] == targets[:, None]
+    d = (hit.to(z.dtype) - torch.exp(z - lse[:, None])) * grad[:, None]
+    if temperature > 0 and temperature != 1:
+        d = d / temperature
     if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    z = scaled_logits(logits, temperature)
-    lse = torch.logsumexp(z, -1)
-    lp = z.gather(-1, targets[:, None].long()).squeeze(-1) - lse
-    return lp, lse - (torch.softmax(z, -1) * z).sum(-1)
+        d = d * (1 - torch.tanh(logits.float() / softcap) ** 2)
+    return d.to(logits.dtype)
+
+
+_FUSED: dict = {}
+
+
+def _kernel(fn, device: torch.device):
+    """``fn`` compiled for a GPU (inductor fuses the cast, the soft cap, the temperature, the logsumexp
+    and the gather into one pass over the chunk's logits: eager runs each as its own pass over a
+    [chunk, vocab] float32 tensor), or ``fn`` itself on CPU. Dynamic in the chunk's length: the last
+    chunk of a micro-batch is shorter."""
+    if device.type != "cuda":
+        return fn
+    if fn not in _FUSED:
+        _FUSED[fn] = torch.compile(fn, dynamic=True)
+    return _FUSED[fn]
+
+
+def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    dev = weight.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+
+
+class HeadLogprobs(torch.autograd.Function):
+    """log p(targets[t] | hidden[t]) through the lm_head, a chunk of positions at a time, forward and
+    backward: the logits of one chunk exist at once, are recomputed in backward from the saved hidden
+    states, and the weight's gradient sums the chunks' in float32. With ``entropy`` the forward also
+    returns each position's entropy (no gradient) from the same read of the logits. Written by hand
+    because the loss of each token is PPO's, not a cross-entropy (the fused linear-cross-entropy
+    kernels of Liger and others reduce to a scalar loss inside their forward). Under autocast the
+    weight is cast once per call, not once per chunk. Saves [tokens] float32 normalisers besides the
+    inputs."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk: int, temperature: float, softcap, entropy: bool):
+        cd = _compute_dtype(weight)
+        w, b = weight.to(cd), (None if bias is None else bias.to(cd))
+        h = hidden.to(cd)
+        lp = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        lse = torch.empty_like(lp)
+        ent = torch.empty_like(lp) if entropy else None
+        fwd = _kernel(_chunk_logprobs, h.device)
+        with torch.autocast(h.device.type, enabled=False):
+            for s in range(0, h.shape[0], chunk):
+                e = fwd(torch.nn.functional.linear(h[s:s + chunk], w, b), targets[s:s + chunk], temperature, softcap,
+                        entropy)
+                lp[s:s + chunk], lse[s:s + chunk] = e[0], e[1]
+                if entropy:
+                    ent[s:s + chunk] = e[2]
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.meta = (chunk, temperature, softcap, cd)
+        if not entropy:
+            return lp
+        ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, grad, *_entropy_grad):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        chunk, temperature, softcap, cd = ctx.meta
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        w, b = weight.to(cd), (None if bias is None else bias.to(cd))
+        h = hidden.to(cd)
+        gh = torch.empty_like(hidden) if need_h else None
+        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        gb = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        bwd = _kernel(_chunk_grad_logits, h.device)
+        grad = grad.float()
+        with torch.autocast(h.device.type, enabled=False):
+            for s in range(0, h.shape[0], chunk):
+                hs = h[s:s + chunk]
+                d = bwd(torch.nn.functional.linear(hs, w, b), targets[s:s + chunk], lse[s:s + chunk],
+                        grad[s:s + chunk], temperature, softcap)
+                if gh is not None:
+                    gh[s:s + chunk] = d @ w
+                if gw is not None:
+                    gw += d.t() @ hs
+                if gb is not None:
+                    gb += d.sum(0, dtype=torch.float32)
+        return (gh, None if gw is None else gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype),
+                None, None, None, None, None)
+
+
+def head_logprobs(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias=None, *,
+                  temperature: float = 1.0, softcap=None, chunk: int = LOGIT_CHUNK_TOKENS,
+                  entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([N] log p(targets[t]) under ``scaled_logits(lm_head(hidden[t]))``, [N] entropy of that
+    distribution (no gradient) or None) for hidden [N, d], targets [N]; differentiable in hidden,
+    weight and bias (``HeadLogprobs``)."""
+    out = HeadLogprobs.apply(hidden, weight, bias, targets, chunk, float(temperature), softcap, entropy)
+    return out if entropy else (out, None)
 
 
 class PackedLM(torch.nn.Module):
@@ -313,24 +414,12 @@ class PackedLM(torch.nn.Module):
                          max_length_q=longest, max_length_k=longest).last_hidden_state[0]
         head = lm.get_output_embeddings()
         softcap = getattr(lm.config, "final_logit_softcapping", None)
-        targets = ids[0, 1:]
-        h = hidden[:-1]
-        parts, ents = [], []
-        for s in range(0, h.shape[0], chunk):
-            args = (h[s:s + chunk], targets[s:s + chunk], head.weight, head.bias, softcap, temperature)
-            if entropy:
-                with torch.no_grad():
-                    lp, ent = _head_logprobs_entropy(*args)
-                parts.append(lp)
-                ents.append(ent)
-            elif torch.is_grad_enabled():
-                parts.append(checkpoint(_head_logprobs, *args, use_reentrant=False))
-            else:
-                parts.append(_head_logprobs(*args))
+        lp, ent = head_logprobs(hidden[:-1], ids[0, 1:], head.weight, head.bias, temperature=temperature,
+                                softcap=softcap, chunk=chunk, entropy=entropy)
         zero = hidden.new_zeros(1, dtype=torch.float32)
         starts = positions[0] == 0
-        lp = torch.cat([zero, *parts]).masked_fill(starts, 0.0)
-        ent = torch.cat([zero, *ents]).masked_fill(starts, 0.0) if entropy else None
+        lp = torch.cat([zero, lp]).masked_fill(starts, 0.0)
+        ent = torch.cat([zero, ent]).masked_fill(starts, 0.0) if entropy else None
         return lp, ent
 
 
@@ -338,20 +427,21 @@ def packed_logprobs(model, packed: Packed, temperature: float = 1.0, *, chunk: i
                     entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """([N] log p(ids[t] | the sample's tokens before t), [N] entropy of that distribution or None).
 
-    ``model``: a PackedLM, or a transformers causal LM. ``entropy`` is for a pass without gradient (the
-    proximal one): its log-probabilities are returned detached. Entry t is 0 where token t starts a sample
+    ``model``: a PackedLM, or a transformers causal LM. The entropy (with ``entropy``) carries no
+    gradient; it comes from the same read of the logits as the log-probabilities. Entry t is 0 where token t starts a sample
     (nothing predicts it). Differentiable in the model's parameters; the logits of one chunk of
-    positions exist at a time, and are recomputed in backward (checkpointing) instead of kept."""
+    positions exist at a time, and are recomputed in backward instead of kept (``HeadLogprobs``)."""
     policy = model if isinstance(model, PackedLM) else PackedLM(model)
     return policy(packed.ids, packed.positions, packed.cu, packed.longest, temperature, chunk, entropy)
 
 
 def train_flops(n_params: int, layers: int, hidden: int, tokens: int, seq_sq_sum: int,
-                recompute: bool = True) -> float:
+                proximal: tuple[int, int] | None = None) -> float:
     """FLOPs of one update over ``tokens`` real tokens: 6 N per token for forward and backward of the
     matmuls (N = parameters, a tied embedding counted once, as the lm_head matmul), causal attention's
     2 x layers x hidden x sum(len^2) per forward (x3 with backward), and one more forward for the
-    proximal log-probabilities when ``recompute``. Activation checkpointing's extra forward is not
-    counted: MFU counts useful work."""
-    fwd = 2 * n_params * tokens + 2 * layers * hidden * seq_sq_sum
-    return 3 * fwd + (fwd if recompute else 0.0)
+    proximal log-probabilities of ``proximal`` = (tokens, sum(len^2)) (default: all of them; the engine
+    takes the first mini-batch's from its training forward). Recomputation (the head's in backward,
+    activation checkpointing) is not counted: MFU counts useful work."""
+    fwd = lambda n, sq: 2 * n_params * n + 2 * layers * hidden * sq
+    return 3 * fwd(tokens, seq_sq_sum) + fwd(*(proximal or (tokens, seq_sq_sum)))

@@ -101,6 +101,36 @@ def test_dropped_members_rewards_move_their_groups_baseline(model_dir):
     assert any(moved)
 
 
+def test_first_mini_batchs_forward_as_its_proximal_pass_makes_the_same_update(model_dir):
+    """Two mini-batches, two PPO epochs: taking the first mini-batch's proximal log-probabilities from its
+    own training forward (no dropout, no step yet) trains exactly as a separate proximal pass does."""
+    from areal_bus.engines.torch_train import dropout_free
+
+    trajs = _episodes(model_dir)
+    topo = _topo(model_dir, trainer_engine={"kind": "torch", "ppo_epochs": 2})
+    runs = []
+    for reuse in (True, False):
+        engine = TorchTrainEngine(topo, model_dir)
+        assert engine.forward_is_proximal and dropout_free(engine.model)
+        engine.forward_is_proximal = reuse
+        stats = engine.train(trajs, version=0)
+        runs.append((stats, torch.cat([p.detach().flatten() for p in engine.model.parameters()])))
+    (a, wa), (b, wb) = runs
+    for k in ("loss", "entropy", "mean_r", "mean_w", "clip_fraction", "grad_norm"):
+        assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
+    torch.testing.assert_close(wa, wb, atol=1e-6, rtol=1e-5)
+    moved = torch.cat([p.flatten() for p in TorchTrainEngine(topo, model_dir).model.parameters()])
+    assert not torch.allclose(wa, moved)  # the update did move the weights
+
+
+def test_a_model_with_dropout_keeps_its_own_proximal_pass(model_dir):
+    from areal_bus.engines.torch_train import dropout_free
+
+    engine = TorchTrainEngine(_topo(model_dir), model_dir)
+    engine.model.config.attention_dropout = 0.1
+    assert not dropout_free(engine.model)
+
+
 def test_bf16_compute_copy_and_autocast_make_the_same_update_over_float32_masters(model_dir):
     """model.dtype bfloat16: both mixed-precision modes keep float32 masters and AdamW state and make the
     update the float32 engine makes, up to bf16 rounding; the copy is the masters cast after the step."""

@@ -11,8 +11,8 @@ import torch
 
 from areal_bus.loss import decoupled_ppo_loss
 from areal_bus.modeling import logprobs_of
-from areal_bus.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, load_policy, pack,
-                                   packed_logprobs)
+from areal_bus.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, head_logprobs, load_policy,
+                                   pack, packed_logprobs)
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
 
@@ -112,6 +112,47 @@ def test_chunked_logprobs_equal_whole_logits_and_their_gradients(tmp_path):
         grads.append((lp.detach(), model.model.embed_tokens.weight.grad.clone()))
     torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grads[0][1], grads[1][1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("temperature,softcap,bias", [(1.0, None, False), (0.7, None, True), (1.3, 5.0, False),
+                                                      (0.0, None, False)])
+def test_chunked_head_gradients_equal_whole_logits_in_float64(temperature, softcap, bias):
+    g = torch.Generator().manual_seed(7)
+    n, d, vocab = 23, 6, 41
+    hidden = torch.randn(n, d, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, d, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(vocab, dtype=torch.float64, generator=g, requires_grad=True) if bias else None
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    upstream = torch.randn(n, dtype=torch.float64, generator=g)
+
+    def whole():  # the definition: every logit at once, autograd through it
+        logits = torch.nn.functional.linear(hidden, weight, b)
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logprobs_of(logits, targets, temperature).double()
+
+    inputs = [hidden, weight] + ([b] if bias else [])
+    ref = whole()
+    ref_grads = torch.autograd.grad((ref * upstream).sum(), inputs)
+    lp, ent = head_logprobs(hidden, targets, weight, b, temperature=temperature, softcap=softcap, chunk=5)
+    assert ent is None
+    grads = torch.autograd.grad((lp * upstream).sum(), inputs)
+    torch.testing.assert_close(lp.double(), ref, atol=1e-6, rtol=1e-6)  # the forward is float32, as sampled
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # With the entropy (the trainer's first mini-batch: its forward is also the proximal pass) the
+    # log-probabilities keep their gradient.
+    lp2, ent2 = head_logprobs(hidden, targets, weight, b, temperature=temperature, softcap=softcap, chunk=5,
+                              entropy=True)
+    assert not ent2.requires_grad
+    for got, want in zip(torch.autograd.grad((lp2 * upstream).sum(), inputs), ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(hidden, weight, b)
+        z = (torch.tanh(logits / softcap) * softcap if softcap else logits) / (temperature or 1.0)
+        want_ent = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+    torch.testing.assert_close(lp2.double(), ref.detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent2.double(), want_ent, atol=2e-5, rtol=1e-4)  # float32 sums
 
 
 def test_fp32_master_weights_keep_an_lr_1e6_update_that_pure_bf16_loses(tmp_path):
