@@ -9,7 +9,8 @@
 #     rm -rf .base && mkdir .base && git archive <rev> areal_bus bench | tar -x -C .base
 # ; about 7 minutes):  bash scripts/gpu_trainer_ab.sh
 # Knobs (environment): BASE (.base), OUT (gpu_logs), SHAPES_AB ("0.5b 1.5b"), VARIANTS ("compute_copy
-# compute_copy+compile"), PROFILE (1), COMPILE_LOGS (0).
+# compute_copy+compile"), PROFILE (1), PROFILE_PATHS ("old:compute_copy,engine:compute_copy"), COMPILE_LOGS (0),
+# PYTEST (0; 1 runs the trainer's CUDA tests first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_logs}
@@ -18,6 +19,10 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 [ -d "$BASE/areal_bus" ] || { echo "no $BASE/areal_bus: make it with git archive <rev> areal_bus bench | tar -x -C $BASE" >&2; exit 1; }
 {
+    if [ "${PYTEST:-0}" = 1 ]; then
+        timeout 240 python3 -m pytest -q --noconftest -p no:cacheprovider -rs -m gpu tests/test_train_model.py \
+            tests/test_torch_train.py 2>&1 | tail -n 15
+    fi
     for shape in ${SHAPES_AB:-0.5b 1.5b}; do
         paths=""
         for v in ${VARIANTS:-compute_copy compute_copy+compile}; do
@@ -26,8 +31,8 @@ export PYTHONUNBUFFERED=1
         timeout 330 python3 bench/trainer.py --shapes "$shape" --old-tree "$BASE" --paths "${paths#,}"
     done
     if [ "${PROFILE:-1}" = 1 ]; then
-        echo "# one profiled update of each engine, 0.5b, compute_copy"
-        timeout 150 python3 bench/trainer.py --shapes 0.5b --old-tree "$BASE" --paths old:compute_copy,engine:compute_copy \
+        echo "# one profiled update of each of ${PROFILE_PATHS:=old:compute_copy,engine:compute_copy}, 0.5b"
+        timeout 150 python3 bench/trainer.py --shapes 0.5b --old-tree "$BASE" --paths "$PROFILE_PATHS" \
             --steps 1 --profile > "$OUT/profile.log" 2>&1
         grep -E "^# |^0.5b" "$OUT/profile.log"
     fi

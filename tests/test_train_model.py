@@ -238,3 +238,29 @@ def test_cuda_varlen_packing_matches_one_by_one_in_bf16_with_its_gradients(tmp_p
     g_theirs = theirs.model.layers[0].self_attn.q_proj.weight.grad
     cos = torch.nn.functional.cosine_similarity(g_ours.flatten(), g_theirs.flatten(), dim=0)
     assert float(cos) > 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("temperature,softcap", [(1.0, None), (0.7, 30.0)])
+def test_cuda_compiled_head_matches_the_float32_definition(temperature, softcap):
+    """On a GPU the head's softmax arithmetic is compiled: bf16 weights and hidden states, a vocabulary
+    and chunk count of real shape, against every logit at once in float32 on the same inputs."""
+    g = torch.Generator().manual_seed(3)
+    n, d, vocab = 3000, 128, 32000
+    hidden = (torch.randn(n, d, generator=g) * 0.5).bfloat16().cuda().requires_grad_(True)
+    weight = (torch.randn(vocab, d, generator=g) * 0.1).bfloat16().cuda().requires_grad_(True)
+    targets = torch.randint(0, vocab, (n,), generator=g).cuda()
+    upstream = torch.randn(n, generator=g).cuda()
+    lp, _ = head_logprobs(hidden, targets, weight, temperature=temperature, softcap=softcap, chunk=1024)
+    gh, gw = torch.autograd.grad((lp * upstream).sum(), [hidden, weight])
+    h32, w32 = hidden.detach().float().requires_grad_(True), weight.detach().float().requires_grad_(True)
+    logits = h32 @ w32.t()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    ref = logprobs_of(logits, targets, temperature)
+    rh, rw = torch.autograd.grad((ref * upstream).sum(), [h32, w32])
+    torch.testing.assert_close(lp, ref, atol=0.05, rtol=0.02)  # bf16 logits
+    for got, want in ((gh, rh), (gw, rw)):
+        cos = torch.nn.functional.cosine_similarity(got.float().flatten(), want.flatten(), dim=0)
+        assert float(cos) > 0.999
