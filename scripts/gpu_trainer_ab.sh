@@ -21,7 +21,7 @@ export PYTHONUNBUFFERED=1
 {
     if [ "${PYTEST:-0}" = 1 ]; then
         timeout 240 python3 -m pytest -q --noconftest -p no:cacheprovider -rs -m gpu tests/test_train_model.py \
-            tests/test_torch_train.py 2>&1 | tail -n 15
+            2>&1 | tail -n 15
     fi
     for shape in ${SHAPES_AB:-0.5b 1.5b}; do
         paths=""
