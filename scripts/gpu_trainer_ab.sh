@@ -10,7 +10,8 @@
 # ; about 7 minutes):  bash scripts/gpu_trainer_ab.sh
 # Knobs (environment): BASE (.base), OUT (gpu_logs), SHAPES_AB ("0.5b 1.5b"), VARIANTS ("compute_copy
 # compute_copy+compile"), PROFILE (1), PROFILE_PATHS ("old:compute_copy,engine:compute_copy"), COMPILE_LOGS (0),
-# PYTEST (0; 1 runs the trainer's CUDA tests first).
+# PYTEST (0; 1 runs the trainer's CUDA tests first), BENCH_ARGS (more bench/trainer.py arguments for every
+# table and the profile, e.g. "--micro-tokens 32768").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_logs}
@@ -28,12 +29,12 @@ export PYTHONUNBUFFERED=1
         for v in ${VARIANTS:-compute_copy compute_copy+compile}; do
             paths="$paths,old:$v,engine:$v"
         done
-        timeout 330 python3 bench/trainer.py --shapes "$shape" --old-tree "$BASE" --paths "${paths#,}"
+        timeout 330 python3 bench/trainer.py --shapes "$shape" --old-tree "$BASE" --paths "${paths#,}" ${BENCH_ARGS:-}
     done
     if [ "${PROFILE:-1}" = 1 ]; then
         echo "# one profiled update of each of ${PROFILE_PATHS:=old:compute_copy,engine:compute_copy}, 0.5b"
         timeout 150 python3 bench/trainer.py --shapes 0.5b --old-tree "$BASE" --paths "$PROFILE_PATHS" \
-            --steps 1 --profile > "$OUT/profile.log" 2>&1
+            --steps 1 --profile ${BENCH_ARGS:-} > "$OUT/profile.log" 2>&1
         grep -E "^# |^0.5b" "$OUT/profile.log"
     fi
     if [ "${COMPILE_LOGS:-0}" = 1 ]; then
