@@ -255,6 +255,9 @@ def measure(name: str, cfg: dict, updates, args, device) -> dict:
 def worker(args, device) -> int:
     """One path at one shape, in a process of its own (memory, compiled code and CUDA state start clean)."""
     cfg = SHAPES[args.shapes]
+    # As the trainer node does (train_engine.build_train_engine: model.threads, default 1). torch's default,
+    # one thread per core, slows every host-side op of the update (the profile in bench/RESULTS.md).
+    torch.set_num_threads(args.threads)
     updates = make_updates(args, cfg["vocab_size"])
     try:
         r = measure(args.worker, cfg, updates, args, device)
@@ -303,6 +306,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads of each path's process (the "
+                    "trainer node's model.threads, default 1)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
