@@ -231,8 +231,9 @@ class TrainerEngineConfig(_Strict):
         "backward makes them. 'autocast': torch.autocast over the masters (every weight cast at every use). "
         "Parallel layouts (parallelism.dp/tp > 1) always autocast.")
     compile: bool = Field(False, description="torch: torch.compile each decoder layer of the trainer's policy "
-                          "(fuses norms, rotary and activations; the first update pays about a minute of "
-                          "compilation). Worth it on a GPU; leave off on CPU.")
+                          "(fuses norms, rotary and activations; the first update pays ~10 s of compilation "
+                          "on an H200). Worth it on a GPU (+48% at the Qwen2-0.5B shape, bench/RESULTS.md); "
+                          "leave off on CPU.")
     eps_clip: float = Field(0.2, gt=0, le=1, description="PPO clip range (low side, and high side unless eps_clip_high).")
     eps_clip_high: float | None = Field(None, gt=0, le=10, description="PPO clip range on the high side (DAPO's clip-higher).")
     behav_imp_weight_cap: float | None = Field(5.0, gt=1, description="Tokens whose behaviour importance weight "
