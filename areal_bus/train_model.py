@@ -282,8 +282,8 @@ def _pack_group(samples: list[dict], idx: list[int]) -> Packed:
 
 # -- log-probabilities ------------------------------------------------------------------------
 def _capped(logits: torch.Tensor, softcap) -> torch.Tensor:
-    """The head's logits as the sampler saw them before its temperature: soft-capped where the model
-    says so (Gemma 2's final_logit_softcapping), in float32."""
+    """The head's logits as the sampler saw them before its temperature: soft-capped (in float32) where
+    the model says so (Gemma 2's final_logit_softcapping), else as they are."""
     return torch.tanh(logits.float() / softcap) * softcap if softcap else logits
 
 
@@ -432,8 +432,8 @@ def packed_logprobs(model, packed: Packed, temperature: float = 1.0, *, chunk: i
     """([N] log p(ids[t] | the sample's tokens before t), [N] entropy of that distribution or None).
 
     ``model``: a PackedLM, or a transformers causal LM. The entropy (with ``entropy``) carries no
-    gradient; it comes from the same read of the logits as the log-probabilities. Entry t is 0 where token t starts a sample
-    (nothing predicts it). Differentiable in the model's parameters; the logits of one chunk of
+    gradient; it comes from the same read of the logits as the log-probabilities. Entry t is 0 where
+    token t starts a sample (nothing predicts it). Differentiable in the model's parameters; the logits of one chunk of
     positions exist at a time, and are recomputed in backward instead of kept (``HeadLogprobs``)."""
     policy = model if isinstance(model, PackedLM) else PackedLM(model)
     return policy(packed.ids, packed.positions, packed.cu, packed.longest, temperature, chunk, entropy)
