@@ -209,8 +209,9 @@ def save_weights(config, state_dict: dict[str, torch.Tensor], folder: str | Path
 class Packed:
     """One micro-batch: samples laid end to end in a single row.
 
-    ``ids``/``positions`` are [1, N]; ``mask``/``behav``/``adv`` are [N], aligned with ``ids`` (entry t
-    belongs to token t: its loss weight, the logprob the sampler recorded, its advantage); ``rows``
+    ``ids``/``positions`` are [1, N]; ``mask``/``behav``/``adv``/``lag`` are [N], aligned with ``ids``
+    (entry t belongs to token t: its loss weight, the logprob the sampler recorded, its advantage, how
+    many versions before the trained weights it was sampled); ``rows``
     holds each sample's index in the mini-batch and its span (start, length) in the row; ``cu`` the
     samples' cumulative lengths ([samples + 1], int32: what varlen attention takes), made with the rest
     so that a forward on a GPU copies nothing from the host."""
@@ -222,6 +223,7 @@ class Packed:
     adv: torch.Tensor
     rows: list[tuple[int, int, int]]
     cu: torch.Tensor
+    lag: torch.Tensor
 
     @property
     def tokens(self) -> int:
@@ -240,13 +242,14 @@ class Packed:
         cuda = torch.device(device).type == "cuda"
         move = lambda t: (t.pin_memory() if cuda else t).to(device, non_blocking=True)
         return Packed(move(self.ids), move(self.positions), move(self.mask), move(self.behav), move(self.adv),
-                      self.rows, move(self.cu))
+                      self.rows, move(self.cu), move(self.lag))
 
 
 def pack(samples: list[dict], max_tokens: int) -> list[Packed]:
     """Micro-batches of at most ``max_tokens`` tokens (a longer sample gets one of its own), in the
     samples' order. Each sample is a dict of 1-D arrays (numpy or torch) as long as its tokens: ``ids``
-    (prompt + output), ``mask`` (loss weight), ``behav`` (the sampler's logprobs), ``adv``."""
+    (prompt + output), ``mask`` (loss weight), ``behav`` (the sampler's logprobs), ``adv``, and
+    optionally ``lag`` (0 when absent)."""
     groups: list[list[int]] = []
     used = 0
     for i, s in enumerate(samples):
@@ -260,10 +263,11 @@ def pack(samples: list[dict], max_tokens: int) -> list[Packed]:
 
 
 def pack_rows(data: dict[str, torch.Tensor], rows: torch.Tensor, max_tokens: int) -> list[Packed]:
-    """``pack`` over rows of a right-padded batch (``ids``, ``attn``, ``mask``, ``behav``, ``adv``, [B, T]):
-    each row's tokens up to its length."""
+    """``pack`` over rows of a right-padded batch (``ids``, ``attn``, ``mask``, ``behav``, ``adv`` and
+    optionally ``lag``, [B, T]): each row's tokens up to its length."""
     lengths = data["attn"][rows].sum(1).tolist()
-    samples = [{k: data[k][r, :n] for k in ("ids", "mask", "behav", "adv")} for r, n in zip(rows.tolist(), lengths)]
+    keys = [k for k in ("ids", "mask", "behav", "adv", "lag") if k in data]
+    samples = [{k: data[k][r, :n] for k in keys} for r, n in zip(rows.tolist(), lengths)]
     return pack(samples, max_tokens)
 
 
@@ -276,8 +280,10 @@ def _pack_group(samples: list[dict], idx: list[int]) -> Packed:
     cat = lambda key, dtype: torch.cat([torch.as_tensor(samples[i][key]).to(dtype) for i in idx])
     positions = torch.cat([torch.arange(len(samples[i]["ids"])) for i in idx])
     cu = torch.tensor([0] + [n for _, _, n in rows]).cumsum(0).to(torch.int32)
+    lag = (cat("lag", torch.float32) if all("lag" in samples[i] for i in idx)
+           else torch.zeros(start, dtype=torch.float32))
     return Packed(cat("ids", torch.long)[None], positions[None], cat("mask", torch.float32),
-                  cat("behav", torch.float32), cat("adv", torch.float32), rows, cu)
+                  cat("behav", torch.float32), cat("adv", torch.float32), rows, cu, lag)
 
 
 # -- log-probabilities ------------------------------------------------------------------------

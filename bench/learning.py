@@ -54,9 +54,28 @@ def run_mode(mode: str, base: dict, model: Path, keep: Path | None, tag: str = "
     print(f"  {mode}{tag}: {lengths(records)}", flush=True)
     system = system_line(logs)
     print(f"  {mode}{tag}: {system}", flush=True)
+    if lags := lag_line(records):
+        print(f"  {mode}{tag}: {lags}", flush=True)
     return {"mode": mode, "wall": logs.wall, "curve": curve(records), "points": by_samples(records),
             "samples": sum(r.get("samples", 0) for r in records if r["step"] >= 0), "system": system,
             "records": records}
+
+
+def lag_line(records: list[dict]) -> str:
+    """The trainer's per-lag diagnostics (torch_train.lag_stats) as means over the updates: each lag
+    bucket's share of the trained tokens, its mean |log w| (how far the sampler had drifted from the
+    proximal policy), and its shares capped and clipped; empty for an engine that logs none."""
+    steps = [r for r in records if r["step"] >= 0 and "lag0.tokens" in r]
+    if not steps:
+        return ""
+    mean = lambda k: sum(r.get(k, 0.0) for r in steps) / len(steps)
+    parts = []
+    for name in ("lag0", "lag1", "lag2", "lag3+"):
+        share = mean(f"{name}.tokens")
+        if share > 0:
+            parts.append(f"{name} {share:.0%} of tokens |log w| {mean(name + '.abs_log_w'):.3f} capped "
+                         f"{mean(name + '.capped'):.1%} clipped {mean(name + '.clipped'):.1%}")
+    return "by lag: " + "; ".join(parts)
 
 
 def system_line(logs) -> str:

@@ -123,6 +123,29 @@ def test_first_mini_batchs_forward_as_its_proximal_pass_makes_the_same_update(mo
     assert not torch.allclose(wa, moved)  # the update did move the weights
 
 
+def test_per_lag_diagnostics_split_tokens_by_how_stale_their_sampler_was(model_dir):
+    """Half the trajectories sampled two versions before the trained weights, with behaviour logprobs
+    0.5 off the policy's: the update's lag diagnostics put their tokens in lag2 with |log w| = 0.5 and
+    the fresh half in lag0 with |log w| ~ 0; no token has lag 1 or 3+."""
+    import dataclasses
+
+    trajs = _episodes(model_dir)
+    mixed = []
+    for i, t in enumerate(trajs):
+        if i % 2:  # stale: sampled at version 3 for the update of version 5, logprobs off by 0.5
+            t = dataclasses.replace(t, versions=np.full_like(t.versions, 3), logprobs=t.logprobs - 0.5)
+        else:
+            t = dataclasses.replace(t, versions=np.full_like(t.versions, 5))
+        mixed.append(t)
+    stats = TorchTrainEngine(_topo(model_dir), model_dir).train(mixed, version=5)
+    assert stats["lag0.tokens"] + stats["lag2.tokens"] == pytest.approx(1.0)
+    assert stats["lag2.tokens"] == pytest.approx(0.5, abs=0.2)  # equal-length outputs: about half
+    assert stats["lag1.tokens"] == 0.0 and stats["lag3+.tokens"] == 0.0
+    assert stats["lag0.abs_log_w"] < 1e-3
+    assert stats["lag2.abs_log_w"] == pytest.approx(0.5, abs=1e-3)
+    assert stats["lag0.capped"] == 0.0 and stats["lag2.capped"] == 0.0  # w = e^0.5 < 5
+
+
 def test_a_model_with_dropout_keeps_its_own_proximal_pass(model_dir):
     from areal_bus.engines.torch_train import dropout_free
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 _TENSORS = (("ids", torch.long), ("attn", torch.long), ("mask", torch.float32), ("behav", torch.float32),
-            ("adv", torch.float32))
+            ("adv", torch.float32), ("lag", torch.float32))
 _CMD_TRAIN, _CMD_STOP = 1, 0
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
 """A rank waits this long in a collective; between updates ranks wait for rank 0's next batch, which

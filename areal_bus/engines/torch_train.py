@@ -45,8 +45,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "chat_template.jinja")
 
 
-def pad_batch(batch: list[Trajectory], advantages: torch.Tensor) -> dict[str, torch.Tensor]:
-    """[B, T] tensors for a batch: ids, attention mask, loss mask, behaviour logprobs, advantages.
+def pad_batch(batch: list[Trajectory], advantages: torch.Tensor, version: int | None = None) -> dict[str, torch.Tensor]:
+    """[B, T] tensors for a batch: ids, attention mask, loss mask, behaviour logprobs, advantages, and
+    each policy token's lag (``version`` minus the version that sampled it; 0 without ``version``).
     Right padding; position t of a row holds the token whose log-probability ``token_logprobs`` puts
     at t, so the engine's per-token records line up with the trainer's recompute by construction."""
     lengths = [t.prompt_ids.size + t.output_ids.size for t in batch]
@@ -56,6 +57,7 @@ def pad_batch(batch: list[Trajectory], advantages: torch.Tensor) -> dict[str, to
     mask = torch.zeros(B, T, dtype=torch.float32)
     behav = torch.zeros(B, T, dtype=torch.float32)
     adv = torch.zeros(B, T, dtype=torch.float32)
+    lag = torch.zeros(B, T, dtype=torch.float32)
     for i, t in enumerate(batch):
         p, n = t.prompt_ids.size, t.output_ids.size
         ids[i, :p + n] = torch.from_numpy(np.concatenate([t.prompt_ids, t.output_ids]).astype(np.int64))
@@ -63,7 +65,44 @@ def pad_batch(batch: list[Trajectory], advantages: torch.Tensor) -> dict[str, to
         mask[i, p:p + n] = torch.from_numpy(t.loss_mask.astype(np.float32))
         behav[i, p:p + n] = torch.from_numpy(t.logprobs.astype(np.float32))
         adv[i, p:p + n] = advantages[i]
-    return {"ids": ids, "attn": attn, "mask": mask, "behav": behav, "adv": adv}
+        if version is not None:  # environment tokens (version -1) stay 0: they are out of the loss
+            lag[i, p:p + n] = torch.from_numpy(np.where(t.versions >= 0, version - t.versions, 0).astype(np.float32))
+    return {"ids": ids, "attn": attn, "mask": mask, "behav": behav, "adv": adv, "lag": lag}
+
+
+LAG_BUCKETS = (0, 1, 2, 3)
+"""The per-lag diagnostics of an update: tokens sampled 0, 1, 2 and 3 or more versions before the weights
+being trained (the last bucket open-ended)."""
+
+
+def lag_stats(logp, prox, behav, adv, mask, lag, eps_clip: float, eps_clip_high: float | None,
+              cap: float | None) -> dict[str, torch.Tensor]:
+    """Per lag bucket (``LAG_BUCKETS``), as 0-d tensors over the masked-in tokens: ``lagK.tokens`` (their
+    share), ``lagK.abs_log_w`` (mean |log pi_prox - log pi_behav|: how far the sampler had drifted),
+    ``lagK.capped`` (share over the importance-weight cap, left out of the loss) and ``lagK.clipped``
+    (share whose PPO term is clipped, passing no gradient), each ``lagK.*`` but ``tokens`` within the
+    bucket of this micro-batch (the update logs them, as every diagnostic, averaged over its micro-batches
+    by their token shares). ``decoupled_ppo_loss``'s diagnostics are the same quantities over every token;
+    these say which lags drift and by how much, where async trails sync per sample."""
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    with torch.no_grad():
+        on = mask != 0
+        log_w = torch.where(on, prox - behav, torch.zeros_like(prox))
+        r = torch.exp(torch.where(on, logp.detach() - prox, torch.zeros_like(prox)))
+        clipped = (torch.clamp(r, 1 - eps_clip, 1 + high) * adv < r * adv).float()
+        capped = (log_w.exp() > cap).float() if cap is not None else torch.zeros_like(log_w)
+        total = mask.sum().clamp(min=1)
+        out = {}
+        for k in LAG_BUCKETS:
+            m = mask * ((lag >= k) if k == LAG_BUCKETS[-1] else (lag == k)).float()
+            n = m.sum()
+            per = n.clamp(min=1)
+            name = f"lag{k}+" if k == LAG_BUCKETS[-1] else f"lag{k}"
+            out[f"{name}.tokens"] = n / total
+            out[f"{name}.abs_log_w"] = (m * log_w.abs()).sum() / per
+            out[f"{name}.capped"] = (m * capped).sum() / per
+            out[f"{name}.clipped"] = (m * clipped).sum() / per
+    return out
 
 
 def reward_components(batch: list[Trajectory]) -> dict[str, float]:
@@ -160,7 +199,7 @@ class TorchTrainEngine:
         adv = grpo_advantages(everyone, [t.group_id or t.traj_id for t in batch] + [g for g, _ in baseline],
                               std_normalize=self.cfg.adv_std_normalize,
                               leave_one_out=self.cfg.adv_leave_one_out)[: len(batch)]
-        data = pad_batch(batch, adv)
+        data = pad_batch(batch, adv, version)
         if self.dp is not None:
             self.dp.send(data)  # every rank gets the whole padded batch and takes its own rows
         out = self.update(data)
@@ -238,6 +277,8 @@ class TorchTrainEngine:
                         logp, prox_lp, p.behav, p.adv, p.mask, eps_clip=self.cfg.eps_clip,
                         eps_clip_high=self.cfg.eps_clip_high, behav_imp_weight_cap=self.cfg.behav_imp_weight_cap,
                         tensor_stats=True)
+                    stats.update(lag_stats(logp, prox_lp, p.behav, p.adv, p.mask, p.lag, self.cfg.eps_clip,
+                                           self.cfg.eps_clip_high, self.cfg.behav_imp_weight_cap))
                     if ref_lp is not None:
                         kl = masked_mean(kl_penalty(logp, ref_lp, "k3"), p.mask)
                         loss = loss + self.cfg.kl_coef * kl
