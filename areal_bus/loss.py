@@ -27,7 +27,11 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["decoupled_ppo_loss", "grpo_advantages", "kl_penalty", "masked_mean"]
+__all__ = ["LAG_BUCKETS", "decoupled_ppo_loss", "grpo_advantages", "kl_penalty", "masked_mean"]
+
+LAG_BUCKETS = (0, 1, 2, 3)
+"""``decoupled_ppo_loss``'s per-lag diagnostics: tokens sampled 0, 1, 2 and 3 or more versions before the
+proximal weights (the last bucket open-ended)."""
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -53,6 +57,7 @@ def decoupled_ppo_loss(
     behav_imp_weight_cap: float | None = 5.0,
     *,
     tensor_stats: bool = False,
+    lag: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """AReaL's decoupled PPO loss (eq. 5) and its diagnostics.
 
@@ -106,6 +111,12 @@ def decoupled_ppo_loss(
     * ``mean_r`` -- mean ratio ``r``; 1 on the first minibatch of a step.
     * ``approx_kl`` -- mean of ``(r - 1) - log r`` (Schulman's k3 estimator, always >= 0) of
       ``KL(pi_prox || pi_theta)`` on the sampled tokens: how far this step has moved the policy.
+
+    With ``lag`` (per token, how many versions before the proximal weights its sampler was), the same
+    quantities per lag bucket (``LAG_BUCKETS``: 0, 1, 2, 3+), named ``lag0``..``lag3+``: ``.tokens`` (the
+    bucket's share of the masked-in tokens), ``.abs_log_w`` (mean ``|log w|``: how far that sampler had
+    drifted), ``.capped`` and ``.clipped`` (shares within the bucket): which lags drift, and how much of
+    their signal the cap and the clip remove.
     """
     shape = logprobs.shape
     for name, t in (
@@ -153,6 +164,16 @@ def decoupled_ppo_loss(
             "mean_r": masked_mean(r, mask),
             "approx_kl": masked_mean(r - 1.0 - log_r, mask),
         }
+        if lag is not None:
+            log_w = torch.where(on, prox - behav, zeros).abs()
+            for k in LAG_BUCKETS:
+                last = k == LAG_BUCKETS[-1]
+                m = mask * ((lag >= k) if last else (lag == k)).to(mask.dtype)
+                name = f"lag{k}+" if last else f"lag{k}"
+                stats[f"{name}.tokens"] = m.sum() / den.clamp(min=1)
+                stats[f"{name}.abs_log_w"] = masked_mean(log_w, m)
+                stats[f"{name}.capped"] = masked_mean(capped.to(mask.dtype), m)
+                stats[f"{name}.clipped"] = masked_mean(clipped.to(mask.dtype), m)
     if not tensor_stats:
         stats = {k: v.item() for k, v in stats.items()}
     return loss, stats

@@ -62,7 +62,7 @@ def run_mode(mode: str, base: dict, model: Path, keep: Path | None, tag: str = "
 
 
 def lag_line(records: list[dict]) -> str:
-    """The trainer's per-lag diagnostics (torch_train.lag_stats) as means over the updates: each lag
+    """The trainer's per-lag diagnostics (loss.decoupled_ppo_loss's lag buckets) as means over the updates: each lag
     bucket's share of the trained tokens, its mean |log w| (how far the sampler had drifted from the
     proximal policy), and its shares capped and clipped; empty for an engine that logs none."""
     steps = [r for r in records if r["step"] >= 0 and "lag0.tokens" in r]

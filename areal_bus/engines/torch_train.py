@@ -70,41 +70,6 @@ def pad_batch(batch: list[Trajectory], advantages: torch.Tensor, version: int | 
     return {"ids": ids, "attn": attn, "mask": mask, "behav": behav, "adv": adv, "lag": lag}
 
 
-LAG_BUCKETS = (0, 1, 2, 3)
-"""The per-lag diagnostics of an update: tokens sampled 0, 1, 2 and 3 or more versions before the weights
-being trained (the last bucket open-ended)."""
-
-
-def lag_stats(logp, prox, behav, adv, mask, lag, eps_clip: float, eps_clip_high: float | None,
-              cap: float | None) -> dict[str, torch.Tensor]:
-    """Per lag bucket (``LAG_BUCKETS``), as 0-d tensors over the masked-in tokens: ``lagK.tokens`` (their
-    share), ``lagK.abs_log_w`` (mean |log pi_prox - log pi_behav|: how far the sampler had drifted),
-    ``lagK.capped`` (share over the importance-weight cap, left out of the loss) and ``lagK.clipped``
-    (share whose PPO term is clipped, passing no gradient), each ``lagK.*`` but ``tokens`` within the
-    bucket of this micro-batch (the update logs them, as every diagnostic, averaged over its micro-batches
-    by their token shares). ``decoupled_ppo_loss``'s diagnostics are the same quantities over every token;
-    these say which lags drift and by how much, where async trails sync per sample."""
-    high = eps_clip if eps_clip_high is None else eps_clip_high
-    with torch.no_grad():
-        on = mask != 0
-        log_w = torch.where(on, prox - behav, torch.zeros_like(prox))
-        r = torch.exp(torch.where(on, logp.detach() - prox, torch.zeros_like(prox)))
-        clipped = (torch.clamp(r, 1 - eps_clip, 1 + high) * adv < r * adv).float()
-        capped = (log_w.exp() > cap).float() if cap is not None else torch.zeros_like(log_w)
-        total = mask.sum().clamp(min=1)
-        out = {}
-        for k in LAG_BUCKETS:
-            m = mask * ((lag >= k) if k == LAG_BUCKETS[-1] else (lag == k)).float()
-            n = m.sum()
-            per = n.clamp(min=1)
-            name = f"lag{k}+" if k == LAG_BUCKETS[-1] else f"lag{k}"
-            out[f"{name}.tokens"] = n / total
-            out[f"{name}.abs_log_w"] = (m * log_w.abs()).sum() / per
-            out[f"{name}.capped"] = (m * capped).sum() / per
-            out[f"{name}.clipped"] = (m * clipped).sum() / per
-    return out
-
-
 def reward_components(batch: list[Trajectory]) -> dict[str, float]:
     """``reward.<name>``: the batch's mean of each named component a reward function returned (the
     reward node keeps them in ``meta['reward_components']``; a trajectory without one counts 0, and
@@ -276,9 +241,7 @@ class TorchTrainEngine:
                     loss, stats = decoupled_ppo_loss(
                         logp, prox_lp, p.behav, p.adv, p.mask, eps_clip=self.cfg.eps_clip,
                         eps_clip_high=self.cfg.eps_clip_high, behav_imp_weight_cap=self.cfg.behav_imp_weight_cap,
-                        tensor_stats=True)
-                    stats.update(lag_stats(logp, prox_lp, p.behav, p.adv, p.mask, p.lag, self.cfg.eps_clip,
-                                           self.cfg.eps_clip_high, self.cfg.behav_imp_weight_cap))
+                        tensor_stats=True, lag=p.lag)
                     if ref_lp is not None:
                         kl = masked_mean(kl_penalty(logp, ref_lp, "k3"), p.mask)
                         loss = loss + self.cfg.kl_coef * kl
