@@ -219,6 +219,12 @@ class TrainerEngineConfig(_Strict):
                                     "forward and backward (gradients accumulate over a mini-batch's micro-batches). "
                                     "A longer sample gets one of its own. With parallelism.dp > 1 each rank packs "
                                     "its share of a mini-batch into one (every rank must run as many as the others).")
+    micro_batch_pad_tokens: int | None = Field(None, ge=1, le=1_000_000, description="torch: each micro-batch is "
+                                               "padded to a multiple of this many tokens (a masked segment of its "
+                                               "own), so a GPU's matmuls meet a few row counts again and again: "
+                                               "cuBLAS chooses a kernel for each new one, ~5 ms during which the "
+                                               "GPU waits (bench/RESULTS.md). None: 1024 on CUDA, 1 (no padding) "
+                                               "on CPU.")
     logit_chunk_tokens: int = Field(4096, ge=16, le=1_000_000, description="torch: positions whose logits exist at "
                                     "once; the lm_head runs chunk by chunk, forward and backward (recomputed), "
                                     "so no [tokens, vocab] float32 tensor is ever whole.")

@@ -142,11 +142,15 @@ def autocast(device: torch.device, compute_dtype: torch.dtype | str):
 
 class ComputeCopy:
     """A copy of ``master`` (a module with float32 parameters) in ``dtype`` that forward and backward
-    run on, while the optimizer steps ``master``. Its gradients go into the masters' float32 ``.grad``
-    as backward accumulates each one (a post-accumulate hook per parameter), so gradient accumulation
-    over micro-batches happens in float32 and no second full set of bf16 gradients is kept. After each
-    optimizer step of the masters, ``refresh`` casts them into the copy: one cast per weight per step.
-    Buffers (RoPE's inv_freq) are copied as they are."""
+    run on, while the optimizer steps ``master``. The copy's gradients live in one flat buffer in
+    ``dtype``, the masters' (their ``.grad``) in one flat float32 buffer; at the end of every backward
+    (an autograd callback, queued by the first gradient that lands) the copy's buffer is added into
+    the masters' in one pass and zeroed, so gradient accumulation over micro-batches happens in
+    float32. Numerically the same as adding each weight's gradient as backward makes it, in two
+    kernels instead of two per weight (the profile in bench/RESULTS.md: ~1,760 small adds per update
+    at 0.5B, each behind a Python hook). After each optimizer step of the masters, ``refresh`` casts
+    them into the copy: one cast per weight per step. Buffers (RoPE's inv_freq) are copied as they
+    are."""
 
     def __init__(self, master: torch.nn.Module, dtype: torch.dtype):
         self.module = copy.deepcopy(master)  # ties survive deepcopy: a tied lm_head stays the embedding
@@ -156,18 +160,35 @@ class ComputeCopy:
         if any(a[0] != b[0] for a, b in pairs):
             raise RuntimeError("ComputeCopy: the copy's parameters do not line up with the master's")
         self._pairs = [(m, c) for (_, m), (_, c) in pairs]
+        total = sum(m.numel() for m, _ in self._pairs)
+        device = self._pairs[0][0].device if self._pairs else torch.device("cpu")
+        self._grads = torch.zeros(total, dtype=dtype, device=device)
+        self._master_grads = torch.zeros(total, dtype=torch.float32, device=device)
+        self._views: list[torch.Tensor] = []  # each master's .grad: its slice of _master_grads
+        offset = 0
         for m, c in self._pairs:
-            c.register_post_accumulate_grad_hook(self._hook(m))
+            n = m.numel()
+            c.grad = self._grads[offset:offset + n].view_as(c)  # backward accumulates into it in place
+            self._views.append(self._master_grads[offset:offset + n].view_as(m))
+            offset += n
+        self._queued = False
+        for _, c in self._pairs:
+            c.register_post_accumulate_grad_hook(self._on_grad)
 
-    @staticmethod
-    def _hook(master_param: torch.Tensor):
-        def into_master(p: torch.Tensor) -> None:
-            if master_param.grad is None:
-                master_param.grad = p.grad.to(master_param.dtype)
-            else:
-                master_param.grad.add_(p.grad)
-            p.grad = None
-        return into_master
+    def _on_grad(self, _param: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._into_masters)
+
+    @torch.no_grad()
+    def _into_masters(self) -> None:
+        self._queued = False
+        for (m, _), view in zip(self._pairs, self._views):
+            if m.grad is not view:  # set to None (zero_grad's default) or replaced: take it back into the buffer
+                view.copy_(m.grad) if m.grad is not None else view.zero_()
+                m.grad = view
+        self._master_grads.add_(self._grads)
+        self._grads.zero_()
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -213,8 +234,10 @@ class Packed:
     (entry t belongs to token t: its loss weight, the logprob the sampler recorded, its advantage, how
     many versions before the trained weights it was sampled); ``rows``
     holds each sample's index in the mini-batch and its span (start, length) in the row; ``cu`` the
-    samples' cumulative lengths ([samples + 1], int32: what varlen attention takes), made with the rest
-    so that a forward on a GPU copies nothing from the host."""
+    segments' cumulative lengths ([segments + 1], int32: what varlen attention takes), made with the rest
+    so that a forward on a GPU copies nothing from the host; ``longest`` the longest segment. A padded
+    micro-batch (``pack(pad_to=...)``) ends in one more segment, of padding: in ``cu``, not in ``rows``,
+    loss weight 0."""
 
     ids: torch.Tensor
     positions: torch.Tensor
@@ -224,14 +247,11 @@ class Packed:
     rows: list[tuple[int, int, int]]
     cu: torch.Tensor
     lag: torch.Tensor
+    longest: int
 
     @property
     def tokens(self) -> int:
         return int(self.ids.shape[1])
-
-    @property
-    def longest(self) -> int:
-        return max(n for _, _, n in self.rows)
 
     def to(self, device) -> Packed:
         """On ``device``; the copies are queued (non_blocking), not waited for: the host goes on
@@ -242,14 +262,19 @@ class Packed:
         cuda = torch.device(device).type == "cuda"
         move = lambda t: (t.pin_memory() if cuda else t).to(device, non_blocking=True)
         return Packed(move(self.ids), move(self.positions), move(self.mask), move(self.behav), move(self.adv),
-                      self.rows, move(self.cu), move(self.lag))
+                      self.rows, move(self.cu), move(self.lag), self.longest)
 
 
-def pack(samples: list[dict], max_tokens: int) -> list[Packed]:
+def pack(samples: list[dict], max_tokens: int, pad_to: int = 1) -> list[Packed]:
     """Micro-batches of at most ``max_tokens`` tokens (a longer sample gets one of its own), in the
     samples' order. Each sample is a dict of 1-D arrays (numpy or torch) as long as its tokens: ``ids``
     (prompt + output), ``mask`` (loss weight), ``behav`` (the sampler's logprobs), ``adv``, and
-    optionally ``lag`` (0 when absent)."""
+    optionally ``lag`` (0 when absent).
+
+    ``pad_to`` > 1 rounds each micro-batch's length up to a multiple of it with a segment of padding
+    (token 0, loss weight 0, attention of its own), so that a GPU's matmuls see a few row counts again
+    and again: cuBLAS chooses a kernel for every new shape, ~5 ms of host time each on an H200, during
+    which the GPU waits (bench/RESULTS.md). The padding may take a micro-batch past ``max_tokens``."""
     groups: list[list[int]] = []
     used = 0
     for i, s in enumerate(samples):
@@ -259,31 +284,34 @@ def pack(samples: list[dict], max_tokens: int) -> list[Packed]:
             used = 0
         groups[-1].append(i)
         used += n
-    return [_pack_group(samples, g) for g in groups]
+    return [_pack_group(samples, g, pad_to) for g in groups]
 
 
-def pack_rows(data: dict[str, torch.Tensor], rows: torch.Tensor, max_tokens: int) -> list[Packed]:
+def pack_rows(data: dict[str, torch.Tensor], rows: torch.Tensor, max_tokens: int, pad_to: int = 1) -> list[Packed]:
     """``pack`` over rows of a right-padded batch (``ids``, ``attn``, ``mask``, ``behav``, ``adv`` and
     optionally ``lag``, [B, T]): each row's tokens up to its length."""
     lengths = data["attn"][rows].sum(1).tolist()
     keys = [k for k in ("ids", "mask", "behav", "adv", "lag") if k in data]
     samples = [{k: data[k][r, :n] for k in keys} for r, n in zip(rows.tolist(), lengths)]
-    return pack(samples, max_tokens)
+    return pack(samples, max_tokens, pad_to)
 
 
-def _pack_group(samples: list[dict], idx: list[int]) -> Packed:
+def _pack_group(samples: list[dict], idx: list[int], pad_to: int = 1) -> Packed:
     rows, start = [], 0
     for i in idx:
         n = len(samples[i]["ids"])
         rows.append((i, start, n))
         start += n
-    cat = lambda key, dtype: torch.cat([torch.as_tensor(samples[i][key]).to(dtype) for i in idx])
-    positions = torch.cat([torch.arange(len(samples[i]["ids"])) for i in idx])
-    cu = torch.tensor([0] + [n for _, _, n in rows]).cumsum(0).to(torch.int32)
+    pad = -start % max(1, pad_to)
+    segments = [n for _, _, n in rows] + ([pad] if pad else [])
+    cat = lambda key, dtype: torch.cat([torch.as_tensor(samples[i][key]).to(dtype) for i in idx]
+                                       + [torch.zeros(pad, dtype=dtype)])
+    positions = torch.cat([torch.arange(n) for n in segments])
+    cu = torch.tensor([0] + segments).cumsum(0).to(torch.int32)
     lag = (cat("lag", torch.float32) if all("lag" in samples[i] for i in idx)
-           else torch.zeros(start, dtype=torch.float32))
+           else torch.zeros(start + pad, dtype=torch.float32))
     return Packed(cat("ids", torch.long)[None], positions[None], cat("mask", torch.float32),
-                  cat("behav", torch.float32), cat("adv", torch.float32), rows, cu, lag)
+                  cat("behav", torch.float32), cat("adv", torch.float32), rows, cu, lag, max(segments))
 
 
 # -- log-probabilities ------------------------------------------------------------------------
@@ -320,12 +348,15 @@ _FUSED: dict = {}
 def _kernel(fn, device: torch.device):
     """``fn`` compiled for a GPU (inductor fuses the cast, the soft cap, the temperature, the logsumexp
     and the gather into one pass over the chunk's logits: eager runs each as its own pass over a
-    [chunk, vocab] float32 tensor), or ``fn`` itself on CPU. Dynamic in the chunk's length: the last
-    chunk of a micro-batch is shorter."""
+    [chunk, vocab] float32 tensor), or ``fn`` itself on CPU. Dynamic in the chunk's length only (the
+    last chunk of a micro-batch is shorter), by torch's automatic dynamic shapes: a dimension becomes
+    dynamic once it changes, and the vocabulary never does. Compiled for a dynamic vocabulary (every
+    index a division by a runtime value) the two passes took 34 and 26 ms of an update at the 0.5B
+    shape on an H200, 16 and 19 ms with it static (bench/RESULTS.md)."""
     if device.type != "cuda":
         return fn
     if fn not in _FUSED:
-        _FUSED[fn] = torch.compile(fn, dynamic=True)
+        _FUSED[fn] = torch.compile(fn, dynamic=None)
     return _FUSED[fn]
 
 

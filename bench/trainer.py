@@ -148,6 +148,7 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
                                        behav_imp_weight_cap=5.0, grad_clip=1.0, adv_std_normalize=True,
                                        adv_leave_one_out=False, attn_implementation=args.attn,
                                        micro_batch_tokens=args.micro_tokens, logit_chunk_tokens=4096,
+                                       micro_batch_pad_tokens=args.pad_tokens,
                                        gradient_checkpointing=args.checkpointing, mixed_precision=mp or "compute_copy",
                                        compile=extra == "compile", eval_interval=0),
         model=SimpleNamespace(device=str(device), dtype="bfloat16" if device.type == "cuda" else args.cpu_dtype,
@@ -223,6 +224,8 @@ def measure(name: str, cfg: dict, updates, args, device) -> dict:
             times.append(dt)
         if prof is not None:
             prof.stop()
+            if args.trace:
+                prof.export_chrome_trace(args.trace)
             key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
             print(f"# profile of {name}, update {i + 1} ({dt:.3f} s)", file=sys.stderr)
             events = prof.key_averages()
@@ -295,11 +298,15 @@ def main() -> int:
     ap.add_argument("--update-tokens", type=int, default=65536)
     ap.add_argument("--mini-batches", type=int, default=4, help="PPO mini-batches (optimizer steps) per update")
     ap.add_argument("--micro-tokens", type=int, default=16384, help="engine: trainer_engine.micro_batch_tokens")
+    ap.add_argument("--pad-tokens", type=int, default=None, help="engine: trainer_engine.micro_batch_pad_tokens "
+                    "(default: the engine's own, 1024 on CUDA)")
     ap.add_argument("--baseline-rows", type=int, default=8, help="baseline: padded rows per forward")
     ap.add_argument("--attn", default=VARLEN, help=f"engine: trainer_engine.attn_implementation ({VARLEN}: "
                     f"FlashAttention varlen, areal_bus/train_model.py; or sdpa, flex_attention)")
     ap.add_argument("--checkpointing", action="store_true", help="engine: trainer_engine.gradient_checkpointing")
     ap.add_argument("--profile", action="store_true", help="print each path's torch profile of its first timed update")
+    ap.add_argument("--trace", default=None, help="with --profile (one path): write the chrome trace of the profiled "
+                    "update to this file (read it with bench/trace_summary.py)")
     ap.add_argument("--median", type=float, default=500)
     ap.add_argument("--min-len", type=int, default=200)
     ap.add_argument("--max-len", type=int, default=3000)

@@ -64,7 +64,7 @@ def bench_topology(args, dp: int, tp: int) -> SimpleNamespace:
                                        behav_imp_weight_cap=5.0, grad_clip=1.0, adv_std_normalize=True,
                                        adv_leave_one_out=False, attn_implementation="areal_varlen",
                                        micro_batch_tokens=16384, logit_chunk_tokens=4096,
-                                       gradient_checkpointing=False,
+                                       micro_batch_pad_tokens=None, gradient_checkpointing=False,
                                        mixed_precision=getattr(args, "mixed_precision", "compute_copy"),
                                        compile=getattr(args, "compile", False)),
         model=SimpleNamespace(device=args.device, dtype=args.dtype, seed=0, threads=1),

@@ -233,3 +233,20 @@ def test_optimizer_state_loads_across_step_kernels_keeping_this_processs_own(sav
         opt.step()
     for a, b in zip(src, dst):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_padded_micro_batches_make_the_same_update(model_dir):
+    """trainer_engine.micro_batch_pad_tokens rounds each micro-batch up with a masked segment of its own:
+    the update, its diagnostics and the entropy are those of the unpadded micro-batches."""
+    trajs = _episodes(model_dir)
+    runs = []
+    for pad in (1, 48):
+        topo = _topo(model_dir, trainer_engine={"kind": "torch", "micro_batch_tokens": 40, "micro_batch_pad_tokens": pad})
+        engine = TorchTrainEngine(topo, model_dir)
+        assert engine.pad_to == pad
+        stats = engine.train(trajs, version=0)
+        runs.append((stats, torch.cat([p.detach().flatten() for p in engine.model.parameters()])))
+    (a, wa), (b, wb) = runs
+    for k in ("loss", "entropy", "mean_r", "mean_w", "clip_fraction", "grad_norm"):
+        assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
+    torch.testing.assert_close(wa, wb, atol=1e-6, rtol=1e-5)

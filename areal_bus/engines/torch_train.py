@@ -41,6 +41,10 @@ from areal_bus.modeling import as_dtype
 from areal_bus.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, load_policy, pack_rows,
                                    packed_logprobs, save_weights)
 
+# Names of the update's phases in a torch profile (bench/trainer.py --trace, bench/trace_summary.py): a few
+# host-side markers per update, a microsecond each while no profiler runs.
+phase = torch.profiler.record_function
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "vocab.json", "merges.txt", "chat_template.jinja")
 
@@ -119,6 +123,7 @@ class TorchTrainEngine:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=topo.learning_rate, betas=(0.9, 0.999),
                                      weight_decay=0.0, **fused)
         self.micro_tokens = cfg.micro_batch_tokens
+        self.pad_to = cfg.micro_batch_pad_tokens or (1024 if self.device.type == "cuda" else 1)
         self.temperature = topo.rollout_engine.temperature
         self.mini_batch = topo.mini_batch_size
         self.publisher = publisher  # train_engine.WeightPublisher: the buffers rollout workers read; None: no export
@@ -183,26 +188,12 @@ class TorchTrainEngine:
         ahead launching the next micro-batch's kernels while the last one computes, instead of the two
         taking turns."""
         t0 = time.perf_counter()
-        rank, world = self._data_shard()
-        B = data["ids"].shape[0]
-        plans = []  # per mini-batch: this rank's micro-batches and each one's share of the mini-batch's tokens
-        ent_tokens = 0.0
-        for start in range(0, B, self.mini_batch):
-            mb = torch.arange(start, min(B, start + self.mini_batch))
-            rows = mb[rank::world]
-            # A rank without rows of its own still runs every forward and backward, on a stand-in row
-            # weighted 0: sharded weights (FSDP, tensor parallel) are gathered inside them by all ranks.
-            # For the same reason, with dp > 1 a rank's rows make one micro-batch: every rank must run
-            # as many forwards as the others.
-            packs = pack_rows(data, rows if len(rows) else mb[:1], self.micro_tokens if world == 1 else 1 << 62)
-            total = float(data["mask"][mb].sum().clamp(min=1))
-            plans.append([(p.to(self.device), float(p.mask.sum()) / total if len(rows) else 0.0) for p in packs])
-            if len(rows):
-                ent_tokens += sum(float(p.mask.sum()) for p in packs)
+        with phase("update.pack"):
+            plans, ent_tokens = self._plans(data)
         zero = lambda: torch.zeros((), device=self.device)
         ent_sum = zero()
         prox: list[list] = []  # per mini-batch and micro-batch: (proximal logprobs, reference logprobs)
-        with torch.no_grad():  # proximal policy: the weights before this update
+        with torch.no_grad(), phase("update.proximal"):  # proximal policy: the weights before this update
             self.run.eval()
             for i, plan in enumerate(plans):
                 prox.append([])
@@ -230,7 +221,7 @@ class TorchTrainEngine:
                 mb_stats: dict[str, torch.Tensor] = {}
                 for j, ((p, share), (prox_lp, ref_lp)) in enumerate(zip(plan, prox_mb)):
                     first = prox_lp is None  # the first mini-batch before any step: this forward is its proximal
-                    with self._compute():
+                    with self._compute(), phase("update.forward"):
                         logp, ent = packed_logprobs(self.run, p, self.temperature, chunk=self.cfg.logit_chunk_tokens,
                                                     entropy=first)
                     if first:
@@ -246,7 +237,8 @@ class TorchTrainEngine:
                         kl = masked_mean(kl_penalty(logp, ref_lp, "k3"), p.mask)
                         loss = loss + self.cfg.kl_coef * kl
                         stats["kl"] = kl.detach()
-                    (loss * share).backward()
+                    with phase("update.backward"):
+                        (loss * share).backward()
                     loss_sum = loss_sum + loss.detach() * share
                     for k, v in stats.items():
                         mb_stats[k] = mb_stats.get(k, 0.0) + v * share
@@ -254,10 +246,11 @@ class TorchTrainEngine:
                 mine = sum(share for _, share in plan)  # this rank's part of the mini-batch's tokens
                 if mine > 0:  # the diagnostics as this rank's token means (the loss is the mini-batch's)
                     mb_stats = {k: v / mine for k, v in mb_stats.items()}
-                mb_stats["grad_norm"] = self._clip_grads()
-                self.opt.step()
-                if self.copy is not None:
-                    self.copy.refresh()
+                with phase("update.step"):
+                    mb_stats["grad_norm"] = self._clip_grads()
+                    self.opt.step()
+                    if self.copy is not None:
+                        self.copy.refresh()
                 mb_stats["loss"] = loss_sum
                 for k, v in mb_stats.items():
                     acc[k] = acc.get(k, 0.0) + torch.as_tensor(v, device=self.device, dtype=torch.float32)
@@ -269,6 +262,28 @@ class TorchTrainEngine:
         out["entropy"] = values[-1] / max(1.0, ent_tokens)  # this rank's tokens (with dp, rank 0's share)
         out["compute_s"] = time.perf_counter() - t0
         return out
+
+    def _plans(self, data: dict[str, torch.Tensor]) -> tuple[list[list], float]:
+        """Per mini-batch, this rank's micro-batches on the device, each with its share of the mini-batch's
+        tokens; and how many loss tokens this rank's entropy is averaged over."""
+        rank, world = self._data_shard()
+        B = data["ids"].shape[0]
+        plans = []
+        ent_tokens = 0.0
+        for start in range(0, B, self.mini_batch):
+            mb = torch.arange(start, min(B, start + self.mini_batch))
+            rows = mb[rank::world]
+            # A rank without rows of its own still runs every forward and backward, on a stand-in row
+            # weighted 0: sharded weights (FSDP, tensor parallel) are gathered inside them by all ranks.
+            # For the same reason, with dp > 1 a rank's rows make one micro-batch: every rank must run
+            # as many forwards as the others.
+            packs = pack_rows(data, rows if len(rows) else mb[:1], self.micro_tokens if world == 1 else 1 << 62,
+                              self.pad_to)
+            total = float(data["mask"][mb].sum().clamp(min=1))
+            plans.append([(p.to(self.device), float(p.mask.sum()) / total if len(rows) else 0.0) for p in packs])
+            if len(rows):
+                ent_tokens += sum(float(p.mask.sum()) for p in packs)
+        return plans, ent_tokens
 
     # -- weights out ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
