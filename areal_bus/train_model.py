@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,13 +141,21 @@ def autocast(device: torch.device, compute_dtype: torch.dtype | str):
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
+def _accumulate(master_grads: torch.Tensor, grads: torch.Tensor) -> None:
+    """master_grads += grads; grads = 0. Compiled on a GPU into one vectorised pass: eager torch adds a
+    bfloat16 tensor into a float32 one with an element-at-a-time casting kernel (17 ms of an update at
+    0.5B in bench/RESULTS.md's profile) and zeroes in a second pass."""
+    master_grads.add_(grads)
+    grads.zero_()
+
+
 class ComputeCopy:
     """A copy of ``master`` (a module with float32 parameters) in ``dtype`` that forward and backward
     run on, while the optimizer steps ``master``. The copy's gradients live in one flat buffer in
     ``dtype``, the masters' (their ``.grad``) in one flat float32 buffer; at the end of every backward
     (an autograd callback, queued by the first gradient that lands) the copy's buffer is added into
-    the masters' in one pass and zeroed, so gradient accumulation over micro-batches happens in
-    float32. Numerically the same as adding each weight's gradient as backward makes it, in two
+    the masters' and zeroed in one pass (``_accumulate``), so gradient accumulation over micro-batches
+    happens in float32. Numerically the same as adding each weight's gradient as backward makes it, in two
     kernels instead of two per weight (the profile in bench/RESULTS.md: ~1,760 small adds per update
     at 0.5B, each behind a Python hook). After each optimizer step of the masters, ``refresh`` casts
     them into the copy: one cast per weight per step. Buffers (RoPE's inv_freq) are copied as they
@@ -187,8 +196,7 @@ class ComputeCopy:
             if m.grad is not view:  # set to None (zero_grad's default) or replaced: take it back into the buffer
                 view.copy_(m.grad) if m.grad is not None else view.zero_()
                 m.grad = view
-        self._master_grads.add_(self._grads)
-        self._grads.zero_()
+        _kernel(_accumulate, self._grads.device)(self._master_grads, self._grads)
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -275,25 +283,47 @@ def pack(samples: list[dict], max_tokens: int, pad_to: int = 1) -> list[Packed]:
     (token 0, loss weight 0, attention of its own), so that a GPU's matmuls see a few row counts again
     and again: cuBLAS chooses a kernel for every new shape, ~5 ms of host time each on an H200, during
     which the GPU waits (bench/RESULTS.md). The padding may take a micro-batch past ``max_tokens``."""
+    return [_pack_group(samples, g, pad_to) for g in _groups([len(s["ids"]) for s in samples], max_tokens)]
+
+
+def _groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive samples, at most ``max_tokens`` tokens a group (a longer sample alone)."""
     groups: list[list[int]] = []
     used = 0
-    for i, s in enumerate(samples):
-        n = len(s["ids"])
+    for i, n in enumerate(lengths):
         if not groups or used + n > max_tokens:
             groups.append([])
             used = 0
         groups[-1].append(i)
         used += n
-    return [_pack_group(samples, g, pad_to) for g in groups]
+    return groups
 
 
 def pack_rows(data: dict[str, torch.Tensor], rows: torch.Tensor, max_tokens: int, pad_to: int = 1) -> list[Packed]:
     """``pack`` over rows of a right-padded batch (``ids``, ``attn``, ``mask``, ``behav``, ``adv`` and
-    optionally ``lag``, [B, T]): each row's tokens up to its length."""
+    optionally ``lag``, [B, T]): each row's tokens up to its length. One gather per field and micro-batch
+    (the batch's rows are right-padded, so row-major order of the real tokens is the samples laid end
+    to end), not a slice and a copy per sample and field: it runs on the host before the update's first
+    kernel, while the GPU waits."""
     lengths = data["attn"][rows].sum(1).tolist()
-    keys = [k for k in ("ids", "mask", "behav", "adv", "lag") if k in data]
-    samples = [{k: data[k][r, :n] for k in keys} for r, n in zip(rows.tolist(), lengths)]
-    return pack(samples, max_tokens, pad_to)
+    out = []
+    for group in _groups(lengths, max_tokens):
+        idx = rows[group]
+        real = data["attn"][idx].bool()
+        sizes = [lengths[i] for i in group]
+        start = list(itertools.accumulate([0] + sizes))
+        pad = -start[-1] % max(1, pad_to)
+        segments = sizes + ([pad] if pad else [])
+        take = lambda key, dtype: torch.cat([data[key][idx][real].to(dtype), torch.zeros(pad, dtype=dtype)])
+        n = torch.tensor(segments)
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)])
+        positions = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], n)
+        lag = take("lag", torch.float32) if "lag" in data else torch.zeros(int(cu[-1]), dtype=torch.float32)
+        out.append(Packed(take("ids", torch.long)[None], positions[None], take("mask", torch.float32),
+                          take("behav", torch.float32), take("adv", torch.float32),
+                          [(i, start[j], sizes[j]) for j, i in enumerate(group)], cu.to(torch.int32), lag,
+                          max(segments)))
+    return out
 
 
 def _pack_group(samples: list[dict], idx: list[int], pad_to: int = 1) -> Packed:
@@ -346,11 +376,11 @@ _FUSED: dict = {}
 
 
 def _kernel(fn, device: torch.device):
-    """``fn`` compiled for a GPU (inductor fuses the cast, the soft cap, the temperature, the logsumexp
-    and the gather into one pass over the chunk's logits: eager runs each as its own pass over a
-    [chunk, vocab] float32 tensor), or ``fn`` itself on CPU. Dynamic in the chunk's length only (the
-    last chunk of a micro-batch is shorter), by torch's automatic dynamic shapes: a dimension becomes
-    dynamic once it changes, and the vocabulary never does. Compiled for a dynamic vocabulary (every
+    """``fn`` compiled for a GPU, or ``fn`` itself on CPU. For the head's passes inductor fuses the
+    cast, the soft cap, the temperature, the logsumexp and the gather into one pass over the chunk's
+    logits (eager runs each as its own pass over a [chunk, vocab] float32 tensor). Shapes are static
+    until one changes (torch's automatic dynamic shapes): the head's chunk length becomes dynamic (the
+    last chunk of a micro-batch is shorter), and the vocabulary never does. Compiled for a dynamic vocabulary (every
     index a division by a runtime value) the two passes took 34 and 26 ms of an update at the 0.5B
     shape on an H200, 16 and 19 ms with it static (bench/RESULTS.md)."""
     if device.type != "cuda":

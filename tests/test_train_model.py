@@ -287,3 +287,28 @@ def test_a_padded_micro_batch_has_the_same_log_probabilities_and_loss(tmp_path):
 def test_padding_longer_than_every_sample_still_bounds_the_attention():
     (packed,) = pack(_samples(np.random.default_rng(7), [5, 6]), max_tokens=64, pad_to=32)
     assert packed.tokens == 32 and packed.longest == 21  # max_length_q covers the padding segment
+
+
+@pytest.mark.parametrize("pad_to", [1, 16])
+def test_packing_rows_of_a_padded_batch_equals_packing_the_samples(pad_to):
+    from areal_bus.train_model import pack_rows
+
+    samples = _samples(np.random.default_rng(8), [30, 7, 50, 90, 12, 3])
+    for s, v in zip(samples, range(len(samples))):
+        s["lag"] = np.full(len(s["ids"]), float(v), np.float32)
+    T = max(len(s["ids"]) for s in samples)
+    data = {k: torch.zeros(len(samples), T, dtype=torch.long if k in ("ids", "attn") else torch.float32)
+            for k in ("ids", "attn", "mask", "behav", "adv", "lag")}
+    for r, s in enumerate(samples):
+        n = len(s["ids"])
+        data["attn"][r, :n] = 1
+        for k in ("ids", "mask", "behav", "adv", "lag"):
+            data[k][r, :n] = torch.as_tensor(s[k])
+    rows = torch.tensor([5, 0, 2, 3, 1])  # a rank's share, in its own order
+    want = pack([samples[r] for r in rows.tolist()], max_tokens=64, pad_to=pad_to)
+    got = pack_rows(data, rows, max_tokens=64, pad_to=pad_to)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.rows == w.rows and g.longest == w.longest
+        for k in ("ids", "positions", "mask", "behav", "adv", "cu", "lag"):
+            assert torch.equal(getattr(g, k), getattr(w, k)), k
