@@ -7,7 +7,8 @@
 # Run from the repository root on the GPU host (the device tool, carry [".base"] made by
 #     rm -rf .base && mkdir .base && git archive <rev> areal_bus bench | tar -x -C .base
 # ; about 7 minutes):  bash scripts/gpu_trainer_pad.sh
-# Knobs (environment): OUT (gpu_logs), PYTEST (1: the CUDA tests of tests/test_train_model.py first), RUNS ("0.5b:16384 0.5b:32768 1.5b:16384"), TRACE_MICRO (32768).
+# Knobs (environment): OUT (gpu_logs), PYTEST (1: the CUDA tests of tests/test_train_model.py first),
+# RUNS ("0.5b:16384 0.5b:32768 1.5b:16384"), TRACE_MICRO (32768).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_logs}

@@ -113,14 +113,22 @@ def test_first_mini_batchs_forward_as_its_proximal_pass_makes_the_same_update(mo
         engine = TorchTrainEngine(topo, model_dir)
         assert engine.forward_is_proximal and dropout_free(engine.model)
         engine.forward_is_proximal = reuse
-        stats = engine.train(trajs, version=0)
-        runs.append((stats, torch.cat([p.detach().flatten() for p in engine.model.parameters()])))
-    (a, wa), (b, wb) = runs
-    for k in ("loss", "entropy", "mean_r", "mean_w", "clip_fraction", "grad_norm"):
-        assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
-    torch.testing.assert_close(wa, wb, atol=1e-6, rtol=1e-5)
+        runs.append(_trained(engine, trajs))
+    _assert_same_update(*runs)
     moved = torch.cat([p.flatten() for p in TorchTrainEngine(topo, model_dir).model.parameters()])
-    assert not torch.allclose(wa, moved)  # the update did move the weights
+    assert not torch.allclose(runs[0][1], moved)  # the update did move the weights
+
+
+def _trained(engine, trajs) -> tuple[dict, torch.Tensor]:
+    """(one update's diagnostics, the weights after it, flat)."""
+    stats = engine.train(trajs, version=0)
+    return stats, torch.cat([p.detach().flatten() for p in engine.model.parameters()])
+
+
+def _assert_same_update(a, b) -> None:
+    for k in ("loss", "entropy", "mean_r", "mean_w", "clip_fraction", "grad_norm"):
+        assert a[0][k] == pytest.approx(b[0][k], rel=1e-5, abs=1e-7), k
+    torch.testing.assert_close(a[1], b[1], atol=1e-6, rtol=1e-5)
 
 
 def test_per_lag_diagnostics_split_tokens_by_how_stale_their_sampler_was(model_dir):
@@ -241,12 +249,9 @@ def test_padded_micro_batches_make_the_same_update(model_dir):
     trajs = _episodes(model_dir)
     runs = []
     for pad in (1, 48):
-        topo = _topo(model_dir, trainer_engine={"kind": "torch", "micro_batch_tokens": 40, "micro_batch_pad_tokens": pad})
+        engine_cfg = {"kind": "torch", "micro_batch_tokens": 40, "micro_batch_pad_tokens": pad}
+        topo = _topo(model_dir, trainer_engine=engine_cfg)
         engine = TorchTrainEngine(topo, model_dir)
         assert engine.pad_to == pad
-        stats = engine.train(trajs, version=0)
-        runs.append((stats, torch.cat([p.detach().flatten() for p in engine.model.parameters()])))
-    (a, wa), (b, wb) = runs
-    for k in ("loss", "entropy", "mean_r", "mean_w", "clip_fraction", "grad_norm"):
-        assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
-    torch.testing.assert_close(wa, wb, atol=1e-6, rtol=1e-5)
+        runs.append(_trained(engine, trajs))
+    _assert_same_update(*runs)
