@@ -233,8 +233,8 @@ class TrainerEngineConfig(_Strict):
     mixed_precision: Literal["compute_copy", "autocast"] = Field(
         "compute_copy", description="torch, model.dtype bfloat16/float16: how compute runs in that dtype over the "
         "float32 master weights and AdamW state. 'compute_copy': forward and backward on a copy of the weights in "
-        "model.dtype, cast from the masters once per optimizer step, gradients accumulated into float32 as "
-        "backward makes them. 'autocast': torch.autocast over the masters (every weight cast at every use). "
+        "model.dtype, cast from the masters once per optimizer step, gradients added into float32 at the end "
+        "of each backward. 'autocast': torch.autocast over the masters (every weight cast at every use). "
         "Parallel layouts (parallelism.dp/tp > 1) always autocast.")
     compile: bool = Field(False, description="torch: torch.compile each decoder layer of the trainer's policy "
                           "(fuses norms, rotary and activations; the first update pays ~10 s of compilation "

@@ -24,8 +24,8 @@ Three things here are written by hand because no library does them for this obje
   (1e-6) an update is far below bfloat16's resolution of a weight, so pure-bf16 training rounds most
   updates away. Compute is bf16 in one of two ways: ``ComputeCopy`` (the default in one process) keeps
   a bf16 copy of the network, refreshed from the masters once per optimizer step, runs forward and
-  backward on it and accumulates its gradients into float32 master gradients as backward produces
-  them -- what FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` does per all-gather, for a model that
+  backward on it and adds its gradients into float32 master gradients at the end of each backward
+  -- what FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` does per all-gather, for a model that
   is not sharded; or ``torch.autocast`` over the masters (the parallel layouts), which casts every
   weight again at every use, in the proximal pass, the forward and the head's recompute (the
   profile in bench/RESULTS.md: 12,800 copy/cast kernels per two updates).
@@ -155,9 +155,10 @@ class ComputeCopy:
     ``dtype``, the masters' (their ``.grad``) in one flat float32 buffer; at the end of every backward
     (an autograd callback, queued by the first gradient that lands) the copy's buffer is added into
     the masters' and zeroed in one pass (``_accumulate``), so gradient accumulation over micro-batches
-    happens in float32. Numerically the same as adding each weight's gradient as backward makes it, in two
-    kernels instead of two per weight (the profile in bench/RESULTS.md: ~1,760 small adds per update
-    at 0.5B, each behind a Python hook). After each optimizer step of the masters, ``refresh`` casts
+    happens in float32. Numerically the same as adding each weight's gradient as backward makes it,
+    in one pass instead of two kernels per weight (the profile in bench/RESULTS.md: ~1,760 small adds
+    per update at 0.5B, each behind a Python hook). The price: the copy's gradients stay allocated
+    (2 bytes per parameter). After each optimizer step of the masters, ``refresh`` casts
     them into the copy: one cast per weight per step. Buffers (RoPE's inv_freq) are copied as they
     are."""
 
@@ -380,9 +381,9 @@ def _kernel(fn, device: torch.device):
     cast, the soft cap, the temperature, the logsumexp and the gather into one pass over the chunk's
     logits (eager runs each as its own pass over a [chunk, vocab] float32 tensor). Shapes are static
     until one changes (torch's automatic dynamic shapes): the head's chunk length becomes dynamic (the
-    last chunk of a micro-batch is shorter), and the vocabulary never does. Compiled for a dynamic vocabulary (every
-    index a division by a runtime value) the two passes took 34 and 26 ms of an update at the 0.5B
-    shape on an H200, 16 and 19 ms with it static (bench/RESULTS.md)."""
+    last chunk of a micro-batch is shorter), and the vocabulary never does. Compiled for a dynamic
+    vocabulary (every index a division by a runtime value) the two passes took 34 and 26 ms of an
+    update at the 0.5B shape on an H200, 16 and 19 ms with it static (bench/RESULTS.md)."""
     if device.type != "cuda":
         return fn
     if fn not in _FUSED:
