@@ -179,6 +179,16 @@ def decoupled_ppo_loss(
     return loss, stats
 
 
+def loglinear_proximal(behavior_logprobs: torch.Tensor, logprobs: torch.Tensor, lag: torch.Tensor) -> torch.Tensor:
+    """AReaL's ``prox_logp_method: loglinear``: ``log pi_prox`` approximated without a forward pass, by
+    interpolating in log space between the behaviour policy (version v - lag) and the policy being
+    optimised (v + 1, the version this update makes) at the proximal policy's version v:
+    ``behav + alpha (logp - behav)``, ``alpha = lag / (lag + 1)``. A token its sampler made with the
+    proximal weights (lag 0) gets its behaviour log-probability. ``logprobs`` is taken as a constant."""
+    alpha = lag.clamp(min=0) / (lag.clamp(min=0) + 1)
+    return behavior_logprobs + alpha * (logprobs.detach() - behavior_logprobs)
+
+
 def grpo_advantages(
     rewards: torch.Tensor | Sequence[float],
     group_ids: torch.Tensor | Sequence,

@@ -236,6 +236,14 @@ class TrainerEngineConfig(_Strict):
         "model.dtype, cast from the masters once per optimizer step, gradients added into float32 at the end "
         "of each backward. 'autocast': torch.autocast over the masters (every weight cast at every use). "
         "Parallel layouts (parallelism.dp/tp > 1) always autocast.")
+    prox_logp_method: Literal["recompute", "loglinear"] = Field(
+        "recompute", description="torch: the proximal policy's log-probabilities (the decoupled objective's "
+        "anchor: the weights before this update), AReaL's actor.prox_logp_method. 'recompute': a forward pass "
+        "of every mini-batch before the first step (the first mini-batch's is its training forward). "
+        "'loglinear': no such pass; interpolated between the sampler's recorded log-probability and the "
+        "training forward's by the token's staleness (areal_bus/loss.py: loglinear_proximal), exact for "
+        "tokens of the current version; the logged entropy then comes from each mini-batch's training forward. "
+        "One forward fewer per later mini-batch (AReaL reports 1.27x).")
     compile: bool = Field(False, description="torch: torch.compile each decoder layer of the trainer's policy "
                           "(fuses norms, rotary and activations; the first update pays ~10 s of compilation "
                           "on an H200). Worth it on a GPU (+48% at the Qwen2-0.5B shape, bench/RESULTS.md); "

@@ -141,16 +141,20 @@ class Baseline:
 # -- the engines themselves ------------------------------------------------------------------
 def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespace:
     """The topology fields the trainer engines read (today's and the old one's: a superset), with the
-    schema's defaults; ``variant`` is trainer_engine.mixed_precision, '+compile' adds trainer_engine.compile."""
-    mp, _, extra = variant.partition("+")
+    schema's defaults; ``variant`` is trainer_engine.mixed_precision, '+compile' adds trainer_engine.compile,
+    '+loglinear' sets trainer_engine.prox_logp_method: loglinear (no proximal forward)."""
+    mp, *flags = variant.split("+")
+    if set(flags) - {"compile", "loglinear"}:
+        raise SystemExit(f"--paths: unknown flag in {variant!r} (compile, loglinear)")
+    prox = "loglinear" if "loglinear" in flags else "recompute"
     return SimpleNamespace(
         trainer_engine=SimpleNamespace(kl_coef=0.0, ppo_epochs=1, eps_clip=0.2, eps_clip_high=None,
                                        behav_imp_weight_cap=5.0, grad_clip=1.0, adv_std_normalize=True,
                                        adv_leave_one_out=False, attn_implementation=args.attn,
                                        micro_batch_tokens=args.micro_tokens, logit_chunk_tokens=4096,
-                                       micro_batch_pad_tokens=args.pad_tokens,
+                                       micro_batch_pad_tokens=args.pad_tokens, prox_logp_method=prox,
                                        gradient_checkpointing=args.checkpointing, mixed_precision=mp or "compute_copy",
-                                       compile=extra == "compile", eval_interval=0),
+                                       compile="compile" in flags, eval_interval=0),
         model=SimpleNamespace(device=str(device), dtype="bfloat16" if device.type == "cuda" else args.cpu_dtype,
                               seed=0, threads=1),
         rollout_engine=SimpleNamespace(temperature=1.0),
@@ -184,7 +188,7 @@ class EnginePath:
 
 
 def make_path(name: str, cfg: dict, args, device):
-    """baseline | old | engine:<mixed_precision>[+compile]"""
+    """baseline | old | engine:<mixed_precision>[+compile][+loglinear]"""
     if name == "baseline":
         return Baseline(cfg, args, device)
     if name == "old":
@@ -247,6 +251,8 @@ def measure(name: str, cfg: dict, updates, args, device) -> dict:
     # The proximal forward is counted for the samples after each update's first mini-batch only: today's
     # engine takes the first one's from its training forward, so the old engines' extra pass is not work.
     later = [s for u in timed for s in u[math.ceil(len(u) / args.mini_batches):]]
+    if "loglinear" in name:  # no proximal forward at all
+        later = []
     proximal = (sum(s["ids"].size for s in later), sum(int(s["ids"].size) ** 2 for s in later))
     flops = train_flops(n_params, cfg["num_hidden_layers"], cfg["hidden_size"], tokens, sq, proximal)
     secs = sum(times)
@@ -290,7 +296,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="0.5b,1.5b", help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--paths", default="baseline,old,engine:autocast,engine:compute_copy,engine:compute_copy+compile",
                     help="comma list: baseline (the old path re-implemented), old (the engine of --old-tree), "
-                         "engine:<compute_copy|autocast>[+compile] (today's engine and its knobs); the first that "
+                         "engine:<compute_copy|autocast>[+compile][+loglinear] (today's engine and its knobs); the first that "
                          "runs is the base of the last column")
     ap.add_argument("--old-tree", default=None, help="a folder holding the old areal_bus/ (for the path 'old')")
     ap.add_argument("--device", default="cuda")

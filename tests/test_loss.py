@@ -251,3 +251,15 @@ def test_tensor_stats_are_the_same_numbers_left_on_the_device():
         assert isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad
         assert v.item() == floats[k], k
     assert 0 < floats["clip_fraction"] < 1 and 0 < floats["capped_fraction"] < 1  # the case exercises both
+
+
+def test_loglinear_proximal_interpolates_by_staleness():
+    from areal_bus.loss import loglinear_proximal
+
+    behav = torch.tensor([-2.0, -2.0, -2.0, -2.0])
+    logp = torch.tensor([-1.0, -1.0, -1.0, -1.0], requires_grad=True)
+    lag = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    prox = loglinear_proximal(behav, logp, lag)
+    # versions: sampler v - lag, proximal v, optimised v + 1: alpha = lag / (lag + 1)
+    torch.testing.assert_close(prox, torch.tensor([-2.0, -1.5, -2.0 + 2 / 3, -1.25]))
+    assert not prox.requires_grad  # an anchor, not a path for the gradient

@@ -255,3 +255,24 @@ def test_padded_micro_batches_make_the_same_update(model_dir):
         assert engine.pad_to == pad
         runs.append(_trained(engine, trajs))
     _assert_same_update(*runs)
+
+
+def test_loglinear_proximal_makes_the_recomputed_update_on_fresh_samples_with_one_forward_per_micro_batch(model_dir):
+    """trainer_engine.prox_logp_method loglinear (AReaL's): no proximal pass. On samples of the trained
+    version (lag 0) the interpolated anchor is the sampler's own log-probability, which the recompute
+    matches (test_proximal_recompute_matches_the_engines_recorded_logprobs): the same update, with one
+    forward per micro-batch where the recompute makes one more for every mini-batch after the first."""
+    trajs = _episodes(model_dir)
+    runs, forwards = [], []
+    for method in ("recompute", "loglinear"):
+        engine = TorchTrainEngine(_topo(model_dir, trainer_engine={"kind": "torch", "prox_logp_method": method}),
+                                  model_dir)
+        calls = []
+        engine.run.register_forward_pre_hook(lambda *_: calls.append(1))
+        runs.append(_trained(engine, trajs))
+        forwards.append(len(calls))
+    assert forwards == [3, 2]  # two mini-batches of one micro-batch each
+    # (The entropy differs: without a proximal pass the second mini-batch's is read after the first step.)
+    for k in ("loss", "mean_w", "grad_norm"):
+        assert runs[0][0][k] == pytest.approx(runs[1][0][k], rel=1e-3, abs=1e-5), k
+    torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5, rtol=1e-4)

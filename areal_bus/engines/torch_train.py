@@ -12,7 +12,8 @@ version)`` is one policy update (one version):
      ``micro_batch_tokens`` tokens (attention within each sample: ``train_model.VARLEN``);
   4. proximal log-probabilities are recomputed once, with the weights as they stand before this update
      (the entropy of the policy is logged from the same pass); the first mini-batch's training forward,
-     made before any optimizer step, is its own proximal pass;
+     made before any optimizer step, is its own proximal pass (``trainer_engine.prox_logp_method:
+     loglinear`` makes no proximal pass: the later mini-batches interpolate theirs, ``loss.loglinear_proximal``);
   5. ``ppo_epochs`` passes of mini-batch steps of ``decoupled_ppo_loss``, gradients accumulated over the
      micro-batches, each weighted by its share of the mini-batch's tokens (AdamW, gradient clipping).
 
@@ -35,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from areal_bus.loss import decoupled_ppo_loss, grpo_advantages, kl_penalty, masked_mean
+from areal_bus.loss import decoupled_ppo_loss, grpo_advantages, kl_penalty, loglinear_proximal, masked_mean
 from areal_bus.messages import Trajectory
 from areal_bus.modeling import as_dtype
 from areal_bus.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, load_policy, pack_rows,
@@ -114,6 +115,8 @@ class TorchTrainEngine:
         # first mini-batch's training forward, made before any optimizer step, serves as its proximal pass:
         # one forward fewer per update (half the proximal work at two mini-batches).
         self.forward_is_proximal = dropout_free(self.model)
+        # 'loglinear': no proximal pass at all; each later mini-batch interpolates its anchor (loss.py).
+        self.recompute_proximal = cfg.prox_logp_method == "recompute"
         self.ref = load().eval().requires_grad_(False) if cfg.kl_coef > 0 else None
         if self.ref is not None and self.copy is not None:
             self.ref.to(self.dtype)  # never trained: its compute copy is all it needs
@@ -198,8 +201,8 @@ class TorchTrainEngine:
             for i, plan in enumerate(plans):
                 prox.append([])
                 for p, share in plan:
-                    lp = None  # the first mini-batch's training forward, before any step, is its own
-                    if i > 0 or not self.forward_is_proximal:
+                    lp = None  # made by the training forward: the first mini-batch's, or interpolated
+                    if self.recompute_proximal and (i > 0 or not self.forward_is_proximal):
                         with self._compute():
                             lp, ent = packed_logprobs(self.run, p, self.temperature,
                                                       chunk=self.cfg.logit_chunk_tokens, entropy=True)
@@ -215,17 +218,18 @@ class TorchTrainEngine:
         acc: dict[str, torch.Tensor] = {}  # summed over optimizer steps, on the device
         steps = 0
         for _ in range(self.cfg.ppo_epochs):
-            for plan, prox_mb in zip(plans, prox):
+            for i, (plan, prox_mb) in enumerate(zip(plans, prox)):
                 self.opt.zero_grad(set_to_none=False)
                 loss_sum = zero()
                 mb_stats: dict[str, torch.Tensor] = {}
                 for j, ((p, share), (prox_lp, ref_lp)) in enumerate(zip(plan, prox_mb)):
-                    first = prox_lp is None  # the first mini-batch before any step: this forward is its proximal
+                    first = prox_lp is None  # the first epoch's forward of a mini-batch without a proximal pass
                     with self._compute(), phase("update.forward"):
                         logp, ent = packed_logprobs(self.run, p, self.temperature, chunk=self.cfg.logit_chunk_tokens,
                                                     entropy=first)
-                    if first:
-                        prox_lp = logp.detach()
+                    if first:  # before any step the first mini-batch's forward is its proximal pass, exactly
+                        exact = i == 0 and self.forward_is_proximal
+                        prox_lp = logp.detach() if exact else loglinear_proximal(p.behav, logp, p.lag)
                         prox_mb[j] = (prox_lp, ref_lp)  # later epochs anchor to it too
                         if share > 0:
                             ent_sum = ent_sum + (ent * p.mask).sum()
