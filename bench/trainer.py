@@ -22,7 +22,9 @@ the same random float32 weights (a Hugging Face folder written once per shape).
             and AdamW state, samples packed into micro-batches of <= --micro-tokens with FlashAttention
             varlen, chunked lm_head logprobs) with trainer_engine.mixed_precision M: ``autocast`` (bf16
             autocast over the masters) or ``compute_copy`` (a bf16 copy refreshed once per optimizer
-            step); ``+compile`` sets trainer_engine.compile (each decoder layer compiled).
+            step); ``+compile`` sets trainer_engine.compile (each decoder layer compiled), ``+loglinear``
+            trainer_engine.prox_logp_method loglinear (no proximal forward; none counted in MFU either).
+            Micro-batches are padded as the engine does (--pad-tokens: micro_batch_pad_tokens).
 
 FLOPs (for MFU): 6 N per token (forward + backward, N = parameters with the tied embedding once as the
 lm_head matmul) + 2 N per token for the proximal forward of every mini-batch but an update's first
