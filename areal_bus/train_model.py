@@ -311,38 +311,32 @@ def pack_rows(data: dict[str, torch.Tensor], rows: torch.Tensor, max_tokens: int
     for group in _groups(lengths, max_tokens):
         idx = rows[group]
         real = data["attn"][idx].bool()
-        sizes = [lengths[i] for i in group]
-        start = list(itertools.accumulate([0] + sizes))
-        pad = -start[-1] % max(1, pad_to)
-        segments = sizes + ([pad] if pad else [])
-        take = lambda key, dtype: torch.cat([data[key][idx][real].to(dtype), torch.zeros(pad, dtype=dtype)])
-        n = torch.tensor(segments)
-        cu = torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)])
-        positions = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], n)
-        lag = take("lag", torch.float32) if "lag" in data else torch.zeros(int(cu[-1]), dtype=torch.float32)
-        out.append(Packed(take("ids", torch.long)[None], positions[None], take("mask", torch.float32),
-                          take("behav", torch.float32), take("adv", torch.float32),
-                          [(i, start[j], sizes[j]) for j, i in enumerate(group)], cu.to(torch.int32), lag,
-                          max(segments)))
+        fields = {k: data[k][idx][real] for k in ("ids", "mask", "behav", "adv", "lag") if k in data}
+        out.append(_packed(fields, group, [lengths[i] for i in group], pad_to))
     return out
 
 
 def _pack_group(samples: list[dict], idx: list[int], pad_to: int = 1) -> Packed:
-    rows, start = [], 0
-    for i in idx:
-        n = len(samples[i]["ids"])
-        rows.append((i, start, n))
-        start += n
-    pad = -start % max(1, pad_to)
-    segments = [n for _, _, n in rows] + ([pad] if pad else [])
-    cat = lambda key, dtype: torch.cat([torch.as_tensor(samples[i][key]).to(dtype) for i in idx]
-                                       + [torch.zeros(pad, dtype=dtype)])
-    positions = torch.cat([torch.arange(n) for n in segments])
-    cu = torch.tensor([0] + segments).cumsum(0).to(torch.int32)
-    lag = (cat("lag", torch.float32) if all("lag" in samples[i] for i in idx)
-           else torch.zeros(start + pad, dtype=torch.float32))
-    return Packed(cat("ids", torch.long)[None], positions[None], cat("mask", torch.float32),
-                  cat("behav", torch.float32), cat("adv", torch.float32), rows, cu, lag, max(segments))
+    keys = [k for k in ("ids", "mask", "behav", "adv", "lag") if all(k in samples[i] for i in idx)]
+    fields = {k: torch.cat([torch.as_tensor(samples[i][k]) for i in idx]) for k in keys}
+    return _packed(fields, idx, [len(samples[i]["ids"]) for i in idx], pad_to)
+
+
+def _packed(fields: dict[str, torch.Tensor], idx: list[int], sizes: list[int], pad_to: int) -> Packed:
+    """A micro-batch from its samples' fields laid end to end (``lag`` optional: 0 without it), the
+    samples' indices and lengths: padded to a multiple of ``pad_to``, positions restarting per segment."""
+    start = list(itertools.accumulate([0] + sizes))
+    pad = -start[-1] % max(1, pad_to)
+    segments = sizes + ([pad] if pad else [])
+    total = start[-1] + pad
+    field = lambda key, dtype: torch.cat([fields[key].to(dtype), torch.zeros(pad, dtype=dtype)])
+    n = torch.tensor(segments, dtype=torch.long)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)])
+    positions = torch.arange(total) - torch.repeat_interleave(cu[:-1], n)
+    lag = field("lag", torch.float32) if "lag" in fields else torch.zeros(total, dtype=torch.float32)
+    return Packed(field("ids", torch.long)[None], positions[None], field("mask", torch.float32),
+                  field("behav", torch.float32), field("adv", torch.float32),
+                  [(i, start[j], sizes[j]) for j, i in enumerate(idx)], cu.to(torch.int32), lag, max(segments))
 
 
 # -- log-probabilities ------------------------------------------------------------------------
