@@ -6,7 +6,8 @@ bug) crash-looping for ever while the main command waits. This listener ends the
 
 - the trainer (program ``trainer`` or ``trainer-<n>``) exits expectedly, after max_steps: ok;
 - a program goes FATAL, fails START_TRIES starts in a row (BACKOFF), or exits with an error status
-  CRASH_LIMIT times within CRASH_WINDOW_S: failed, with one line naming the process and its log.
+  CRASH_LIMIT times within CRASH_WINDOW_S: failed, with one line naming the process and its log. A
+  process killed by a signal counts as neither, however soon after its start it died.
 
 The outcome (status, reason, process, log) goes to stderr (``logs/supervisor/run_end.log``) and to
 ``<log_dir>/run_outcome.json``, then supervisord is asked to shut down; ``areal-bus run``
@@ -70,21 +71,32 @@ class RunWatch:
     def __init__(self, program: str = "trainer"):
         self.program = program
         self.crashes: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+        # Of the failed starts in the current streak, those killed by a signal (not the node failing).
+        self.signal_starts: dict[str, int] = collections.defaultdict(int)
         self.verdict: Verdict | None = None
 
     def on_event(self, eventname: str, fields: dict, now: float, exit_status: str | None = None) -> Verdict | None:
-        """``exit_status``, for an unexpected EXITED: supervisord's words for it ("exit status 1",
-        "terminated by SIGKILL"), None when unknown (then it counts as an error)."""
+        """``exit_status``, for an unexpected EXITED or a BACKOFF: supervisord's words for the exit
+        ("exit status 1", "terminated by SIGKILL"), None when unknown (then it counts as an error).
+        A signal is not the node failing: the trainer's quarantine kills it on purpose, and on a fast
+        engine it dies within startsecs of its restart (a BACKOFF) as often as after it."""
         if self.verdict is not None:
             return None  # decided: the events of the shutdown change nothing
         name, group = fields.get("processname", "?"), fields.get("groupname", "?")
         process = f"{group}:{name}"
+        signal = exit_status is not None and exit_status.startswith("terminated by")
+        if eventname == "PROCESS_STATE_BACKOFF":
+            tries = int(fields.get("tries", 0))
+            if tries <= 1:  # supervisord counts from 1 again once the process has run: a new streak
+                self.signal_starts[process] = 0
+            if signal:
+                self.signal_starts[process] += 1
         if eventname == "PROCESS_STATE_EXITED" and fields.get("expected") == "1":
             if _is((group, name), self.program):
                 self.verdict = Verdict(True, process, f"{name} finished (exited 0)")
+        elif signal:
+            return None  # killed by a signal: restarting it is supervisord's job (FATAL still ends the run)
         elif eventname == "PROCESS_STATE_EXITED":
-            if exit_status is not None and exit_status.startswith("terminated by"):
-                return None  # killed from outside: restarting it is supervisord's job
             times = self.crashes[process]
             times.append(now)
             while now - times[0] > CRASH_WINDOW_S:
@@ -92,7 +104,7 @@ class RunWatch:
             if len(times) >= CRASH_LIMIT:
                 self.verdict = Verdict(False, process, f"{name} failed {len(times)} times in "
                                                        f"{now - times[0]:.0f} s ({exit_status or 'exit status ?'})")
-        elif eventname == "PROCESS_STATE_BACKOFF" and int(fields.get("tries", 0)) >= START_TRIES:
+        elif eventname == "PROCESS_STATE_BACKOFF" and tries - self.signal_starts[process] >= START_TRIES:
             self.verdict = Verdict(False, process, f"{name} could not start ({fields['tries']} tries, "
                                                    "each exited before startsecs)")
         elif eventname == "PROCESS_STATE_FATAL":
@@ -203,8 +215,9 @@ def listen(program: str = "trainer") -> int:
         childutils.listener.ok(sys.stdout)
         fields, _ = childutils.eventdata(payload + "\n")
         event = headers.get("eventname", "")
-        status = exit_status(fields.get("processname", "")) \
-            if event == "PROCESS_STATE_EXITED" and fields.get("expected") == "0" else None
+        unexpected = (event == "PROCESS_STATE_EXITED" and fields.get("expected") == "0"
+                      or event == "PROCESS_STATE_BACKOFF")
+        status = exit_status(fields.get("processname", "")) if unexpected else None
         verdict = watch.on_event(event, fields, time.monotonic(), status)
         if verdict is not None:
             end(verdict, outcome)

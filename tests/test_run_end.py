@@ -72,6 +72,20 @@ def test_failed_starts_in_a_row_or_fatal_end_the_run():
     assert not fatal.ok and "bus-0" in fatal.reason and "FATAL" in fatal.reason
 
 
+def test_starts_killed_by_a_signal_are_not_failed_starts():
+    # The trainer's quarantine kills it on purpose (SIGSEGV in tests), and a fast engine dies within
+    # startsecs of each restart: supervisord's BACKOFF tries grow, the run must go on.
+    watch = RunWatch()
+    for tries in range(1, 3 * START_TRIES):
+        assert watch.on_event(BACKOFF, _proc("trainer-0", tries=str(tries)), tries, "terminated by SIGSEGV") is None
+    # Error exits in the same streak still end it, counted apart from the signals.
+    k = 3 * START_TRIES
+    for i in range(START_TRIES - 1):
+        assert watch.on_event(BACKOFF, _proc("trainer-0", tries=str(k + i)), k + i, "exit status 1") is None
+    verdict = watch.on_event(BACKOFF, _proc("trainer-0", tries=str(k + START_TRIES - 1)), 99.0, "exit status 1")
+    assert not verdict.ok and "trainer-0 could not start" in verdict.reason
+
+
 def test_the_reason_names_the_log_and_quotes_the_last_traceback(tmp_path, monkeypatch):
     log = tmp_path / "logs" / "supervisor" / "trainer-0.log"
     log.parent.mkdir(parents=True)
