@@ -27,11 +27,7 @@ from areal_bus.spool import Spool
 from tests import test_system
 from tests.test_system import System, wait_until
 
-# Admission-only staleness: with the consume-time drop on, the killer (sent at a version the run has made,
-# and held back while the suspects are probed) could pass the bound mid-probe and be dropped as stale
-# before it was ever alone; this test is about the quarantine (test_trainqueue covers that drop).
 RUN = {"max_steps": 30, "staleness_threshold": 4, "trigger_batch_size": 4, "global_batch_size": 8,
-       "staleness": {"drop_at_consume": False},
        "logging": {"log_dir": "logs", "log_interval": 2, "save_interval": 5},
        "rollout_workers": 1}
 
