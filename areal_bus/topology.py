@@ -226,8 +226,15 @@ class TrainerEngineConfig(_Strict):
                                                "GPU waits (bench/RESULTS.md). None: 1024 on CUDA, 1 (no padding) "
                                                "on CPU.")
     logit_chunk_tokens: int = Field(4096, ge=16, le=1_000_000, description="torch: positions whose logits exist at "
-                                    "once; the lm_head runs chunk by chunk, forward and backward (recomputed), "
-                                    "so no [tokens, vocab] float32 tensor is ever whole.")
+                                    "once; the lm_head runs chunk by chunk, forward and backward, so no "
+                                    "[tokens, vocab] float32 tensor is ever whole.")
+    logit_grad_keep_gib: float | None = Field(None, ge=0, le=1024, description="torch: GiB of the lm_head's logit "
+                                              "gradients (d log p / d logits, model.dtype) a training forward makes "
+                                              "and keeps for its backward, per micro-batch; chunks beyond it "
+                                              "recompute their logits in backward (one matmul more, ~5% of an "
+                                              "update at the Qwen2-0.5B shape). Keeping costs micro-batch tokens x "
+                                              "vocab x 2 bytes (5 GB at 16k tokens and a 152k vocabulary). "
+                                              "None: 8 on CUDA, 1 on CPU; 0: always recompute.")
     gradient_checkpointing: bool = Field(False, description="torch: recompute each decoder layer's activations in "
                                          "backward (less memory, ~1/3 more compute).")
     mixed_precision: Literal["compute_copy", "autocast"] = Field(

@@ -15,9 +15,10 @@ Three things here are written by hand because no library does them for this obje
   those position ids (``masking_utils.find_packed_sequence_indices``), so attention never crosses
   samples and no padding is computed.
 * ``packed_logprobs``: the language-model head is applied to a chunk of positions at a time, forward
-  and backward (``HeadLogprobs``: the chunk's logits are recomputed in backward), so no [tokens, vocab]
-  float32 tensor is ever whole (at Qwen2's 152k vocabulary, 16k tokens of logits would be 10 GB):
-  memory is one chunk's logits. On a GPU the per-chunk softmax arithmetic is compiled into one pass
+  and backward (``HeadLogprobs``), so no [tokens, vocab] float32 tensor is ever whole (at Qwen2's 152k
+  vocabulary, 16k tokens of logits would be 10 GB): memory is one chunk's logits, plus, within a
+  budget, the bf16 gradient of the logits made in the forward for the backward (beyond it the chunk's
+  logits are recomputed in backward). On a GPU the per-chunk softmax arithmetic is compiled into one pass
   over the bf16 logits each way, where eager torch made six float32 passes (cast, max, subtract, exp,
   sum, and as many back).
 * mixed precision: the weights and AdamW's state stay float32 (master weights). At RL learning rates
@@ -356,15 +357,24 @@ def _chunk_logprobs(logits, targets, temperature: float, softcap, entropy: bool)
 
 def _chunk_grad_logits(logits, targets, lse, grad, temperature: float, softcap):
     """d(sum grad * log p(targets)) / d logits, in the logits' dtype: grad * (onehot - softmax), through
-    the temperature and the soft cap."""
+    the temperature and the soft cap. ``grad`` None: d log p(targets) / d logits itself (a grad of 1)."""
     z = scaled_logits(_capped(logits, softcap), temperature)
     hit = torch.arange(z.shape[-1], device=z.device)[None, :] == targets[:, None]
-    d = (hit.to(z.dtype) - torch.exp(z - lse[:, None])) * grad[:, None]
+    d = hit.to(z.dtype) - torch.exp(z - lse[:, None])
+    if grad is not None:
+        d = d * grad[:, None]
     if temperature > 0 and temperature != 1:
         d = d / temperature
     if softcap:
         d = d * (1 - torch.tanh(logits.float() / softcap) ** 2)
     return d.to(logits.dtype)
+
+
+def _chunk_logprobs_kept(logits, targets, temperature: float, softcap, entropy: bool):
+    """``_chunk_logprobs`` and, from the same logits, d log p(targets) / d logits (what
+    ``HeadLogprobs`` keeps for its backward instead of recomputing the chunk's logits there)."""
+    lp, lse, ent = _chunk_logprobs(logits, targets, temperature, softcap, entropy)
+    return lp, lse, ent, _chunk_grad_logits(logits, targets, lse, None, temperature, softcap)
 
 
 _FUSED: dict = {}
@@ -392,16 +402,25 @@ def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
 
 class HeadLogprobs(torch.autograd.Function):
     """log p(targets[t] | hidden[t]) through the lm_head, a chunk of positions at a time, forward and
-    backward: the logits of one chunk exist at once, are recomputed in backward from the saved hidden
-    states, and the weight's gradient sums the chunks' in float32. With ``entropy`` the forward also
+    backward, the weight's gradient summed over chunks in float32. With ``entropy`` the forward also
     returns each position's entropy (no gradient) from the same read of the logits. Written by hand
     because the loss of each token is PPO's, not a cross-entropy (the fused linear-cross-entropy
     kernels of Liger and others reduce to a scalar loss inside their forward). Under autocast the
-    weight is cast once per call, not once per chunk. Saves [tokens] float32 normalisers besides the
-    inputs."""
+    weight is cast once per call, not once per chunk.
+
+    The backward of a chunk needs ``onehot - softmax`` of its logits (through temperature and soft
+    cap), times the upstream gradient per position. Up to ``keep_bytes`` of it is made in the forward,
+    from the logits the forward already has, and kept in the compute dtype: the backward of such a chunk
+    is then two matmuls, the upstream gradient applied to the [chunk, hidden] side of each
+    (d hidden = g * (D @ W), d W = D^T @ (g * hidden)). The chunks beyond the budget, and every chunk
+    with ``keep_bytes`` 0, recompute their logits in backward (one more matmul and a pass over them):
+    only one chunk's logits exist at a time. Keeping costs chunk x vocab x 2 bytes per chunk (5 GB
+    for 16k positions at Qwen2's 152k vocabulary) and saves a quarter of the head's matmul work.
+    Saves [tokens] float32 normalisers besides the inputs."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk: int, temperature: float, softcap, entropy: bool):
+    def forward(ctx, hidden, weight, bias, targets, chunk: int, temperature: float, softcap, entropy: bool,
+                keep_bytes: int = 0):
         cd = _compute_dtype(weight)
         w, b = weight.to(cd), (None if bias is None else bias.to(cd))
         h = hidden.to(cd)
@@ -409,14 +428,25 @@ class HeadLogprobs(torch.autograd.Function):
         lse = torch.empty_like(lp)
         ent = torch.empty_like(lp) if entropy else None
         fwd = _kernel(_chunk_logprobs, h.device)
+        fwd_kept = _kernel(_chunk_logprobs_kept, h.device)
+        # No gradient wanted (the proximal pass): nothing to keep.
+        budget = keep_bytes if any(ctx.needs_input_grad[:3]) else 0
+        kept: list[torch.Tensor] = []  # d log p / d logits of the first len(kept) chunks
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, h.shape[0], chunk):
-                e = fwd(torch.nn.functional.linear(h[s:s + chunk], w, b), targets[s:s + chunk], temperature, softcap,
-                        entropy)
+                logits = torch.nn.functional.linear(h[s:s + chunk], w, b)
+                size = logits.numel() * logits.element_size()
+                if size <= budget and len(kept) == s // chunk:
+                    e = fwd_kept(logits, targets[s:s + chunk], temperature, softcap, entropy)
+                    kept.append(e[3])
+                    budget -= size
+                else:
+                    e = fwd(logits, targets[s:s + chunk], temperature, softcap, entropy)
+                del logits
                 lp[s:s + chunk], lse[s:s + chunk] = e[0], e[1]
                 if entropy:
                     ent[s:s + chunk] = e[2]
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, *kept)
         ctx.meta = (chunk, temperature, softcap, cd)
         if not entropy:
             return lp
@@ -425,7 +455,7 @@ class HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, *_entropy_grad):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, *kept = ctx.saved_tensors
         chunk, temperature, softcap, cd = ctx.meta
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         w, b = weight.to(cd), (None if bias is None else bias.to(cd))
@@ -436,10 +466,19 @@ class HeadLogprobs(torch.autograd.Function):
         bwd = _kernel(_chunk_grad_logits, h.device)
         grad = grad.float()
         with torch.autocast(h.device.type, enabled=False):
-            for s in range(0, h.shape[0], chunk):
-                hs = h[s:s + chunk]
-                d = bwd(torch.nn.functional.linear(hs, w, b), targets[s:s + chunk], lse[s:s + chunk],
-                        grad[s:s + chunk], temperature, softcap)
+            for c, s in enumerate(range(0, h.shape[0], chunk)):
+                hs, g = h[s:s + chunk], grad[s:s + chunk]
+                if c < len(kept):  # d log p / d logits kept from the forward: the upstream gradient goes on
+                    d = kept[c]    # the [chunk, hidden] side of each matmul
+                    if gh is not None:
+                        gh[s:s + chunk] = (d @ w).float() * g[:, None]
+                    if gw is not None:
+                        gw += d.t() @ (hs.float() * g[:, None]).to(cd)
+                    if gb is not None:
+                        gb += (g.to(cd)[None, :] @ d)[0].float()
+                    continue
+                d = bwd(torch.nn.functional.linear(hs, w, b), targets[s:s + chunk], lse[s:s + chunk], g,
+                        temperature, softcap)
                 if gh is not None:
                     gh[s:s + chunk] = d @ w
                 if gw is not None:
@@ -447,16 +486,17 @@ class HeadLogprobs(torch.autograd.Function):
                 if gb is not None:
                     gb += d.sum(0, dtype=torch.float32)
         return (gh, None if gw is None else gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def head_logprobs(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias=None, *,
                   temperature: float = 1.0, softcap=None, chunk: int = LOGIT_CHUNK_TOKENS,
-                  entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  entropy: bool = False, keep_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """([N] log p(targets[t]) under ``scaled_logits(lm_head(hidden[t]))``, [N] entropy of that
     distribution (no gradient) or None) for hidden [N, d], targets [N]; differentiable in hidden,
-    weight and bias (``HeadLogprobs``)."""
-    out = HeadLogprobs.apply(hidden, weight, bias, targets, chunk, float(temperature), softcap, entropy)
+    weight and bias (``HeadLogprobs``; ``keep_bytes``: its budget for gradients kept from the forward)."""
+    out = HeadLogprobs.apply(hidden, weight, bias, targets, chunk, float(temperature), softcap, entropy,
+                             int(keep_bytes))
     return out if entropy else (out, None)
 
 
@@ -473,7 +513,8 @@ class PackedLM(torch.nn.Module):
     def config(self):
         return self.lm.config
 
-    def forward(self, ids, positions, cu, longest: int, temperature, chunk: int, entropy: bool):
+    def forward(self, ids, positions, cu, longest: int, temperature, chunk: int, entropy: bool,
+                keep_bytes: int = 0):
         lm = self.lm
         decoder = getattr(lm, lm.base_model_prefix)
         hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
@@ -481,7 +522,7 @@ class PackedLM(torch.nn.Module):
         head = lm.get_output_embeddings()
         softcap = getattr(lm.config, "final_logit_softcapping", None)
         lp, ent = head_logprobs(hidden[:-1], ids[0, 1:], head.weight, head.bias, temperature=temperature,
-                                softcap=softcap, chunk=chunk, entropy=entropy)
+                                softcap=softcap, chunk=chunk, entropy=entropy, keep_bytes=keep_bytes)
         zero = hidden.new_zeros(1, dtype=torch.float32)
         starts = positions[0] == 0
         lp = torch.cat([zero, lp]).masked_fill(starts, 0.0)
@@ -490,15 +531,17 @@ class PackedLM(torch.nn.Module):
 
 
 def packed_logprobs(model, packed: Packed, temperature: float = 1.0, *, chunk: int = LOGIT_CHUNK_TOKENS,
-                    entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    entropy: bool = False, keep_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """([N] log p(ids[t] | the sample's tokens before t), [N] entropy of that distribution or None).
 
     ``model``: a PackedLM, or a transformers causal LM. The entropy (with ``entropy``) carries no
     gradient; it comes from the same read of the logits as the log-probabilities. Entry t is 0 where
-    token t starts a sample (nothing predicts it). Differentiable in the model's parameters; the logits of one chunk of
-    positions exist at a time, and are recomputed in backward instead of kept (``HeadLogprobs``)."""
+    token t starts a sample (nothing predicts it). Differentiable in the model's parameters; the logits of one
+    chunk of positions exist at a time, and backward recomputes them, except for the chunks whose logits'
+    gradient fits in ``keep_bytes`` (made in the forward and kept: ``HeadLogprobs``)."""
     policy = model if isinstance(model, PackedLM) else PackedLM(model)
-    return policy(packed.ids, packed.positions, packed.cu, packed.longest, temperature, chunk, entropy)
+    return policy(packed.ids, packed.positions, packed.cu, packed.longest, temperature, chunk, entropy,
+                  keep_bytes)
 
 
 def train_flops(n_params: int, layers: int, hidden: int, tokens: int, seq_sq_sum: int,

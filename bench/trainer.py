@@ -23,7 +23,9 @@ the same random float32 weights (a Hugging Face folder written once per shape).
             varlen, chunked lm_head logprobs) with trainer_engine.mixed_precision M: ``autocast`` (bf16
             autocast over the masters) or ``compute_copy`` (a bf16 copy refreshed once per optimizer
             step); ``+compile`` sets trainer_engine.compile (each decoder layer compiled), ``+loglinear``
-            trainer_engine.prox_logp_method loglinear (no proximal forward; none counted in MFU either).
+            trainer_engine.prox_logp_method loglinear (no proximal forward; none counted in MFU either),
+            ``+nokeep`` trainer_engine.logit_grad_keep_gib 0 (the lm_head's logits recomputed in backward
+            instead of their gradient kept from the forward).
             Micro-batches are padded as the engine does (--pad-tokens: micro_batch_pad_tokens).
 
 FLOPs (for MFU): 6 N per token (forward + backward, N = parameters with the tied embedding once as the
@@ -144,10 +146,11 @@ class Baseline:
 def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespace:
     """The topology fields the trainer engines read (today's and the old one's: a superset), with the
     schema's defaults; ``variant`` is trainer_engine.mixed_precision, '+compile' adds trainer_engine.compile,
-    '+loglinear' sets trainer_engine.prox_logp_method: loglinear (no proximal forward)."""
+    '+loglinear' sets trainer_engine.prox_logp_method: loglinear (no proximal forward), '+nokeep'
+    trainer_engine.logit_grad_keep_gib: 0 (the head's logits recomputed in backward)."""
     mp, *flags = variant.split("+")
-    if set(flags) - {"compile", "loglinear"}:
-        raise SystemExit(f"--paths: unknown flag in {variant!r} (compile, loglinear)")
+    if set(flags) - {"compile", "loglinear", "nokeep"}:
+        raise SystemExit(f"--paths: unknown flag in {variant!r} (compile, loglinear, nokeep)")
     prox = "loglinear" if "loglinear" in flags else "recompute"
     return SimpleNamespace(
         trainer_engine=SimpleNamespace(kl_coef=0.0, ppo_epochs=1, eps_clip=0.2, eps_clip_high=None,
@@ -155,6 +158,7 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
                                        adv_leave_one_out=False, attn_implementation=args.attn,
                                        micro_batch_tokens=args.micro_tokens, logit_chunk_tokens=4096,
                                        micro_batch_pad_tokens=args.pad_tokens, prox_logp_method=prox,
+                                       logit_grad_keep_gib=0 if "nokeep" in flags else None,
                                        gradient_checkpointing=args.checkpointing, mixed_precision=mp or "compute_copy",
                                        compile="compile" in flags, eval_interval=0),
         model=SimpleNamespace(device=str(device), dtype="bfloat16" if device.type == "cuda" else args.cpu_dtype,
@@ -298,7 +302,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="0.5b,1.5b", help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--paths", default="baseline,old,engine:autocast,engine:compute_copy,engine:compute_copy+compile",
                     help="comma list: baseline (the old path re-implemented), old (the engine of --old-tree), "
-                         "engine:<compute_copy|autocast>[+compile][+loglinear] (today's engine and its knobs); the first that "
+                         "engine:<compute_copy|autocast>[+compile][+loglinear][+nokeep] (today's engine and its knobs); the first that "
                          "runs is the base of the last column")
     ap.add_argument("--old-tree", default=None, help="a folder holding the old areal_bus/ (for the path 'old')")
     ap.add_argument("--device", default="cuda")

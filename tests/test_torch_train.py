@@ -257,6 +257,22 @@ def test_padded_micro_batches_make_the_same_update(model_dir):
     _assert_same_update(*runs)
 
 
+def test_kept_logit_gradients_make_the_same_update(model_dir):
+    """trainer_engine.logit_grad_keep_gib: the head's logit gradients made in the forward and kept
+    (default on CPU: 1 GiB) or recomputed in backward (0): the same update."""
+    trajs = _episodes(model_dir)
+    runs = []
+    for keep in (0, None):
+        engine = TorchTrainEngine(_topo(model_dir, trainer_engine={"kind": "torch", "logit_grad_keep_gib": keep}),
+                                  model_dir)
+        assert engine.keep_bytes == (0 if keep == 0 else 2**30)
+        runs.append(_trained(engine, trajs))
+    for k in ("loss", "entropy", "mean_r", "mean_w", "clip_fraction", "grad_norm"):
+        assert runs[0][0][k] == pytest.approx(runs[1][0][k], rel=1e-5, abs=1e-7), k
+    # float32 sums in another order (the upstream gradient applied to the hidden states, not the logits')
+    torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5, rtol=1e-4)
+
+
 def test_loglinear_proximal_makes_the_recomputed_update_on_fresh_samples_with_one_forward_per_micro_batch(model_dir):
     """trainer_engine.prox_logp_method loglinear (AReaL's): no proximal pass. On samples of the trained
     version (lag 0) the interpolated anchor is the sampler's own log-probability, which the recompute

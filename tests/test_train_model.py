@@ -114,9 +114,12 @@ def test_chunked_logprobs_equal_whole_logits_and_their_gradients(tmp_path):
     torch.testing.assert_close(grads[0][1], grads[1][1], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("keep_chunks", [0, 2, 5])
 @pytest.mark.parametrize("temperature,softcap,bias", [(1.0, None, False), (0.7, None, True), (1.3, 5.0, False),
                                                       (0.0, None, False)])
-def test_chunked_head_gradients_equal_whole_logits_in_float64(temperature, softcap, bias):
+def test_chunked_head_gradients_equal_whole_logits_in_float64(temperature, softcap, bias, keep_chunks):
+    """keep_chunks: how many of the 5 chunks keep their logits' gradient from the forward (the rest
+    recompute their logits in backward): the gradients are the definition's either way."""
     g = torch.Generator().manual_seed(7)
     n, d, vocab = 23, 6, 41
     hidden = torch.randn(n, d, dtype=torch.float64, generator=g, requires_grad=True)
@@ -134,8 +137,11 @@ def test_chunked_head_gradients_equal_whole_logits_in_float64(temperature, softc
     inputs = [hidden, weight] + ([b] if bias else [])
     ref = whole()
     ref_grads = torch.autograd.grad((ref * upstream).sum(), inputs)
-    lp, ent = head_logprobs(hidden, targets, weight, b, temperature=temperature, softcap=softcap, chunk=5)
+    keep = keep_chunks * 5 * vocab * 8  # float64 bytes of that many 5-position chunks
+    lp, ent = head_logprobs(hidden, targets, weight, b, temperature=temperature, softcap=softcap, chunk=5,
+                            keep_bytes=keep)
     assert ent is None
+    assert len(lp.grad_fn.saved_tensors) == 5 + keep_chunks  # the inputs, the normalisers, the kept chunks
     grads = torch.autograd.grad((lp * upstream).sum(), inputs)
     torch.testing.assert_close(lp.double(), ref, atol=1e-6, rtol=1e-6)  # the forward is float32, as sampled
     for got, want in zip(grads, ref_grads):
@@ -143,7 +149,7 @@ def test_chunked_head_gradients_equal_whole_logits_in_float64(temperature, softc
     # With the entropy (the trainer's first mini-batch: its forward is also the proximal pass) the
     # log-probabilities keep their gradient.
     lp2, ent2 = head_logprobs(hidden, targets, weight, b, temperature=temperature, softcap=softcap, chunk=5,
-                              entropy=True)
+                              entropy=True, keep_bytes=keep)
     assert not ent2.requires_grad
     for got, want in zip(torch.autograd.grad((lp2 * upstream).sum(), inputs), ref_grads):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -242,17 +248,21 @@ def test_cuda_varlen_packing_matches_one_by_one_in_bf16_with_its_gradients(tmp_p
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("keep_bytes", [0, 2**30])
 @pytest.mark.parametrize("temperature,softcap", [(1.0, None), (0.7, 30.0)])
-def test_cuda_compiled_head_matches_the_float32_definition(temperature, softcap):
+def test_cuda_compiled_head_matches_the_float32_definition(temperature, softcap, keep_bytes):
     """On a GPU the head's softmax arithmetic is compiled: bf16 weights and hidden states, a vocabulary
-    and chunk count of real shape, against every logit at once in float32 on the same inputs."""
+    and chunk count of real shape, against every logit at once in float32 on the same inputs; the
+    logits' gradient recomputed in backward, or made in the forward and kept."""
     g = torch.Generator().manual_seed(3)
     n, d, vocab = 3000, 128, 32000
     hidden = (torch.randn(n, d, generator=g) * 0.5).bfloat16().cuda().requires_grad_(True)
     weight = (torch.randn(vocab, d, generator=g) * 0.1).bfloat16().cuda().requires_grad_(True)
     targets = torch.randint(0, vocab, (n,), generator=g).cuda()
     upstream = torch.randn(n, generator=g).cuda()
-    lp, _ = head_logprobs(hidden, targets, weight, temperature=temperature, softcap=softcap, chunk=1024)
+    lp, _ = head_logprobs(hidden, targets, weight, temperature=temperature, softcap=softcap, chunk=1024,
+                          keep_bytes=keep_bytes)
+    assert len(lp.grad_fn.saved_tensors) == 5 + (3 if keep_bytes else 0)
     gh, gw = torch.autograd.grad((lp * upstream).sum(), [hidden, weight])
     h32, w32 = hidden.detach().float().requires_grad_(True), weight.detach().float().requires_grad_(True)
     logits = h32 @ w32.t()

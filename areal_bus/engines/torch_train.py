@@ -127,6 +127,9 @@ class TorchTrainEngine:
                                      weight_decay=0.0, **fused)
         self.micro_tokens = cfg.micro_batch_tokens
         self.pad_to = cfg.micro_batch_pad_tokens or (1024 if self.device.type == "cuda" else 1)
+        keep = cfg.logit_grad_keep_gib if cfg.logit_grad_keep_gib is not None else (
+            8 if self.device.type == "cuda" else 1)
+        self.keep_bytes = int(keep * 2**30)
         self.temperature = topo.rollout_engine.temperature
         self.mini_batch = topo.mini_batch_size
         self.publisher = publisher  # train_engine.WeightPublisher: the buffers rollout workers read; None: no export
@@ -226,7 +229,7 @@ class TorchTrainEngine:
                     first = prox_lp is None  # the first epoch's forward of a mini-batch without a proximal pass
                     with self._compute(), phase("update.forward"):
                         logp, ent = packed_logprobs(self.run, p, self.temperature, chunk=self.cfg.logit_chunk_tokens,
-                                                    entropy=first)
+                                                    entropy=first, keep_bytes=self.keep_bytes)
                     if first:  # before any step the first mini-batch's forward is its proximal pass, exactly
                         exact = i == 0 and self.forward_is_proximal
                         prox_lp = logp.detach() if exact else loglinear_proximal(p.behav, logp, p.lag)

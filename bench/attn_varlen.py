@@ -1,0 +1,152 @@
+"""Packed (varlen) causal attention on one GPU: torch's FlashAttention-2 varlen kernel (what the trainer's
+``areal_varlen`` attention calls) against cuDNN's ragged attention (``aten._cudnn_attention_forward``
+/ ``_backward`` with cumulative sequence lengths: the kernels torch's nested-tensor SDPA uses on Hopper),
+forward and backward, on the trainer's own micro-batches.
+
+Workload: sample lengths as bench/trainer.py draws them (lognormal, median 500, sigma 0.8, clipped to
+200..3,000) packed into micro-batches of --tokens tokens, at a shape's attention (Qwen2-0.5B: 14 query
+heads, 2 key/value heads, head_dim 64; 1.5B: 12 / 2 / 128), bf16. Checked first: each backend's
+output and gradients against float32 attention computed sample by sample (max abs error; the FA2 row
+is the reference's own error budget). Timed: --iters forward+backward passes after --warmup, CUDA events,
+and the attention FLOPs (causal: 2 x 2 x sum len^2 x heads x head_dim per forward, x 2.5 for backward).
+
+Run (GPU):  python3 bench/attn_varlen.py                 (both shapes, ~1 min)
+Prints one line per shape and backend and a ``RESULT`` line; cuDNN lines say why when it cannot run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+import torch
+
+SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128)}
+
+
+def lengths(rng, total: int, median: float, lo: int, hi: int) -> list[int]:
+    out: list[int] = []
+    while sum(out) < total:
+        n = int(np.clip(rng.lognormal(np.log(median), 0.8), lo, hi))
+        out.append(min(n, total - sum(out)) if sum(out) + n > total else n)
+    return [n for n in out if n > 0]
+
+
+def fa2(q, k, v, cu, longest, scale):
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0), enable_gqa=True)
+
+
+class CudnnVarlen(torch.autograd.Function):
+    """cuDNN's ragged causal attention, [N, H, D] in and out; key/value heads repeated to the query's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, longest: int, scale: float):
+        out = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, longest, longest, True, 0.0, True, False,
+                                                      scale=scale)
+        o, lse, seed, offset = out[0], out[1], out[6], out[7]
+        ctx.save_for_backward(q, k, v, o, lse, seed, offset, cu)
+        ctx.meta = (longest, scale)
+        return o
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, o, lse, seed, offset, cu = ctx.saved_tensors
+        longest, scale = ctx.meta
+        bias = torch.empty(0, device=q.device, dtype=q.dtype)
+        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(g.contiguous(), q, k, v, o, lse, seed, offset, bias, cu,
+                                                              cu, longest, longest, 0.0, True, scale=scale)
+        return dq, dk, dv, None, None, None
+
+
+def cudnn(q, k, v, cu, longest, scale):
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    return CudnnVarlen.apply(q, k, v, cu, longest, scale)
+
+
+def reference(q, k, v, sizes, scale):
+    """float32 causal attention sample by sample: [N, H, D]."""
+    outs, s = [], 0
+    for n in sizes:
+        qs, ks, vs = (t[s:s + n].float().transpose(0, 1) for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        outs.append(o.transpose(0, 1))
+        s += n
+    return torch.cat(outs)
+
+
+def run(fn, q, k, v, cu, longest, scale, g):
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    o = fn(q, k, v, cu, longest, scale)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), g)
+    return o, dq, dk, dv
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="0.5b,1.5b")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--check-tokens", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    print(f"# bench/attn_varlen.py {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
+          f"micro-batches of {args.tokens} tokens")
+    result = []
+    for shape in args.shapes.split(","):
+        hq, hkv, d = SHAPES[shape]
+        scale = d ** -0.5
+        rng = np.random.default_rng(0)
+        for n_tok, timed in ((args.check_tokens, False), (args.tokens, True)):
+            sizes = lengths(rng, n_tok, 500, 200, 3000)
+            cu = torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int32, device=dev)
+            n, longest = int(cu[-1]), max(sizes)
+            gen = torch.Generator(device=dev).manual_seed(1)
+            q = torch.randn(n, hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
+            k = torch.randn(n, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
+            v = torch.randn(n, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
+            g = torch.randn(n, hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
+            if not timed:  # correctness against float32
+                ref = run(lambda q, k, v, *_: reference(q, k, v, sizes, scale), q, k, v, cu, longest, scale, g.float())
+                for name, fn in (("fa2", fa2), ("cudnn", cudnn)):
+                    try:
+                        got = run(fn, q, k, v, cu, longest, scale, g)
+                        errs = [float((a.float() - b).abs().max()) for a, b in zip(got, ref)]
+                        print(f"{shape:5} {name:6} check   max abs err out {errs[0]:.4f} dq {errs[1]:.4f} "
+                              f"dk {errs[2]:.4f} dv {errs[3]:.4f}")
+                        result.append(f"{shape}_{name}_err={max(errs):.4f}")
+                    except Exception as exc:  # noqa: BLE001 - the backend's reason is the result
+                        print(f"{shape:5} {name:6} check   cannot run: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            sq = sum(s * s for s in sizes)
+            flops = 2 * 2 * sq * hq * d / 2 * (1 + 2.5)  # causal: half of the square
+            for name, fn in (("fa2", fa2), ("cudnn", cudnn)):
+                try:
+                    for _ in range(args.warmup):
+                        run(fn, q, k, v, cu, longest, scale, g)
+                    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                    torch.cuda.synchronize()
+                    ev[0].record()
+                    for _ in range(args.iters):
+                        run(fn, q, k, v, cu, longest, scale, g)
+                    ev[1].record()
+                    torch.cuda.synchronize()
+                    ms = ev[0].elapsed_time(ev[1]) / args.iters
+                    print(f"{shape:5} {name:6} {n} tokens, {len(sizes)} samples: fwd+bwd {ms:.2f} ms, "
+                          f"{flops / ms / 1e9:.0f} TFLOP/s")
+                    result.append(f"{shape}_{name}_ms={ms:.3f}")
+                except Exception as exc:  # noqa: BLE001
+                    print(f"{shape:5} {name:6} timed   cannot run: {type(exc).__name__}: {str(exc)[:200]}")
+    print("RESULT " + " ".join(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
