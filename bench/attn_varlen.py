@@ -1,22 +1,22 @@
-"""Packed (varlen) causal attention on one GPU: torch's FlashAttention-2 varlen kernel (what the trainer's
-``areal_varlen`` attention calls) against cuDNN's ragged attention (``aten._cudnn_attention_forward``
-/ ``_backward`` with cumulative sequence lengths: the kernels torch's nested-tensor SDPA uses on Hopper),
-forward and backward, on the trainer's own micro-batches.
+"""Packed (varlen) causal attention on one GPU, torch's FlashAttention-2 varlen kernel (what the trainer's
+``areal_varlen`` attention calls), forward and backward, on the trainer's own micro-batches: with the
+key/value heads repeated to the query's (``repeat``: the engine where torch's ``varlen_attn`` has no
+``enable_gqa``, torch 2.11) and as they are (``gqa``: the kernel's own grouped-query support).
 
 Workload: sample lengths as bench/trainer.py draws them (lognormal, median 500, sigma 0.8, clipped to
 200..3,000) packed into micro-batches of --tokens tokens, at a shape's attention (Qwen2-0.5B: 14 query
 heads, 2 key/value heads, head_dim 64; 1.5B: 12 / 2 / 128), bf16. Checked first: each backend's
-output and gradients against float32 attention computed sample by sample (max abs error; the FA2 row
-is the reference's own error budget). Timed: --iters forward+backward passes after --warmup, CUDA events,
-and the attention FLOPs (causal: 2 x 2 x sum len^2 x heads x head_dim per forward, x 2.5 for backward).
+output and gradients against float32 attention computed sample by sample (max abs error). Timed:
+--iters forward+backward passes after --warmup, CUDA events, and the attention FLOPs (causal: 2 x 2 x sum len^2 x heads x head_dim per forward, x 2.5 for backward).
 
 Run (GPU):  python3 bench/attn_varlen.py                 (both shapes, ~1 min)
-Prints one line per shape and backend and a ``RESULT`` line; cuDNN lines say why when it cannot run.
+Prints one line per shape and backend and a ``RESULT`` line; a backend that cannot run says why.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 
@@ -34,39 +34,29 @@ def lengths(rng, total: int, median: float, lo: int, hi: int) -> list[int]:
     return [n for n in out if n > 0]
 
 
-def fa2(q, k, v, cu, longest, scale):
+def _varlen(q, k, v, cu, longest, scale, **extra):
     from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0), enable_gqa=True)
+    params = inspect.signature(varlen_attn).parameters
+    extra.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+    return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, **extra)
 
 
-class CudnnVarlen(torch.autograd.Function):
-    """cuDNN's ragged causal attention, [N, H, D] in and out; key/value heads repeated to the query's."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu, longest: int, scale: float):
-        out = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, longest, longest, True, 0.0, True, False,
-                                                      scale=scale)
-        o, lse, seed, offset = out[0], out[1], out[6], out[7]
-        ctx.save_for_backward(q, k, v, o, lse, seed, offset, cu)
-        ctx.meta = (longest, scale)
-        return o
-
-    @staticmethod
-    def backward(ctx, g):
-        q, k, v, o, lse, seed, offset, cu = ctx.saved_tensors
-        longest, scale = ctx.meta
-        bias = torch.empty(0, device=q.device, dtype=q.dtype)
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(g.contiguous(), q, k, v, o, lse, seed, offset, bias, cu,
-                                                              cu, longest, longest, 0.0, True, scale=scale)
-        return dq, dk, dv, None, None, None
-
-
-def cudnn(q, k, v, cu, longest, scale):
+def fa2_repeat(q, k, v, cu, longest, scale):
+    """The key/value heads repeated to the query's (the engine on a torch without varlen GQA)."""
     rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    return CudnnVarlen.apply(q, k, v, cu, longest, scale)
+    return _varlen(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), cu, longest, scale)
+
+
+def fa2_gqa(q, k, v, cu, longest, scale):
+    """The key/value heads as they are: FlashAttention-2 itself takes fewer of them."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    extra = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
+    return _varlen(q, k, v, cu, longest, scale, **extra)
+
+
+BACKENDS = (("repeat", fa2_repeat), ("gqa", fa2_gqa))
 
 
 def reference(q, k, v, sizes, scale):
@@ -97,7 +87,7 @@ def main() -> int:
     args = ap.parse_args()
     dev = torch.device("cuda")
     print(f"# bench/attn_varlen.py {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"micro-batches of {args.tokens} tokens")
     result = []
     for shape in args.shapes.split(","):
@@ -115,7 +105,7 @@ def main() -> int:
             g = torch.randn(n, hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
             if not timed:  # correctness against float32
                 ref = run(lambda q, k, v, *_: reference(q, k, v, sizes, scale), q, k, v, cu, longest, scale, g.float())
-                for name, fn in (("fa2", fa2), ("cudnn", cudnn)):
+                for name, fn in BACKENDS:
                     try:
                         got = run(fn, q, k, v, cu, longest, scale, g)
                         errs = [float((a.float() - b).abs().max()) for a, b in zip(got, ref)]
@@ -127,7 +117,7 @@ def main() -> int:
                 continue
             sq = sum(s * s for s in sizes)
             flops = 2 * 2 * sq * hq * d / 2 * (1 + 2.5)  # causal: half of the square
-            for name, fn in (("fa2", fa2), ("cudnn", cudnn)):
+            for name, fn in BACKENDS:
                 try:
                     for _ in range(args.warmup):
                         run(fn, q, k, v, cu, longest, scale, g)
