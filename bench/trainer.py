@@ -25,7 +25,8 @@ the same random float32 weights (a Hugging Face folder written once per shape).
             step); ``+compile`` sets trainer_engine.compile (each decoder layer compiled), ``+loglinear``
             trainer_engine.prox_logp_method loglinear (no proximal forward; none counted in MFU either),
             ``+nokeep`` trainer_engine.logit_grad_keep_gib 0 (the lm_head's logits recomputed in backward
-            instead of their gradient kept from the forward).
+            instead of their gradient kept from the forward), ``+chunk8k`` trainer_engine.logit_chunk_tokens
+            8192 (4096 otherwise).
             Micro-batches are padded as the engine does (--pad-tokens: micro_batch_pad_tokens).
 
 FLOPs (for MFU): 6 N per token (forward + backward, N = parameters with the tied embedding once as the
@@ -147,16 +148,18 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
     """The topology fields the trainer engines read (today's and the old one's: a superset), with the
     schema's defaults; ``variant`` is trainer_engine.mixed_precision, '+compile' adds trainer_engine.compile,
     '+loglinear' sets trainer_engine.prox_logp_method: loglinear (no proximal forward), '+nokeep'
-    trainer_engine.logit_grad_keep_gib: 0 (the head's logits recomputed in backward)."""
+    trainer_engine.logit_grad_keep_gib: 0 (the head's logits recomputed in backward), '+chunk8k'
+    trainer_engine.logit_chunk_tokens: 8192 (else 4096, the default)."""
     mp, *flags = variant.split("+")
-    if set(flags) - {"compile", "loglinear", "nokeep"}:
-        raise SystemExit(f"--paths: unknown flag in {variant!r} (compile, loglinear, nokeep)")
+    if set(flags) - {"compile", "loglinear", "nokeep", "chunk8k"}:
+        raise SystemExit(f"--paths: unknown flag in {variant!r} (compile, loglinear, nokeep, chunk8k)")
     prox = "loglinear" if "loglinear" in flags else "recompute"
     return SimpleNamespace(
         trainer_engine=SimpleNamespace(kl_coef=0.0, ppo_epochs=1, eps_clip=0.2, eps_clip_high=None,
                                        behav_imp_weight_cap=5.0, grad_clip=1.0, adv_std_normalize=True,
                                        adv_leave_one_out=False, attn_implementation=args.attn,
-                                       micro_batch_tokens=args.micro_tokens, logit_chunk_tokens=4096,
+                                       micro_batch_tokens=args.micro_tokens,
+                                       logit_chunk_tokens=8192 if "chunk8k" in flags else 4096,
                                        micro_batch_pad_tokens=args.pad_tokens, prox_logp_method=prox,
                                        logit_grad_keep_gib=0 if "nokeep" in flags else None,
                                        gradient_checkpointing=args.checkpointing, mixed_precision=mp or "compute_copy",
@@ -302,7 +305,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="0.5b,1.5b", help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--paths", default="baseline,old,engine:autocast,engine:compute_copy,engine:compute_copy+compile",
                     help="comma list: baseline (the old path re-implemented), old (the engine of --old-tree), "
-                         "engine:<compute_copy|autocast>[+compile][+loglinear][+nokeep] (today's engine and its knobs); the first that "
+                         "engine:<compute_copy|autocast>[+compile][+loglinear][+nokeep][+chunk8k] (today's engine and its knobs); the first that "
                          "runs is the base of the last column")
     ap.add_argument("--old-tree", default=None, help="a folder holding the old areal_bus/ (for the path 'old')")
     ap.add_argument("--device", default="cuda")
