@@ -429,7 +429,6 @@ class HeadLogprobs(torch.autograd.Function):
         ent = torch.empty_like(lp) if entropy else None
         fwd = _kernel(_chunk_logprobs, h.device)
         fwd_kept = _kernel(_chunk_logprobs_kept, h.device)
-        # No gradient wanted (the proximal pass): nothing to keep.
         budget = keep_bytes if any(ctx.needs_input_grad[:3]) else 0
         kept: list[torch.Tensor] = []  # d log p / d logits of the first len(kept) chunks
         with torch.autocast(h.device.type, enabled=False):
@@ -495,8 +494,11 @@ def head_logprobs(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Ten
     """([N] log p(targets[t]) under ``scaled_logits(lm_head(hidden[t]))``, [N] entropy of that
     distribution (no gradient) or None) for hidden [N, d], targets [N]; differentiable in hidden,
     weight and bias (``HeadLogprobs``; ``keep_bytes``: its budget for gradients kept from the forward)."""
+    # No backward to come (the proximal pass runs under no_grad, where a Function's forward still sees
+    # its inputs' requires_grad): nothing to keep.
+    wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     out = HeadLogprobs.apply(hidden, weight, bias, targets, chunk, float(temperature), softcap, entropy,
-                             int(keep_bytes))
+                             int(keep_bytes) if wanted else 0)
     return out if entropy else (out, None)
 
 

@@ -161,6 +161,23 @@ def test_chunked_head_gradients_equal_whole_logits_in_float64(temperature, softc
     torch.testing.assert_close(ent2.double(), want_ent, atol=2e-5, rtol=1e-4)  # float32 sums
 
 
+def test_the_head_keeps_no_logit_gradients_without_a_backward_to_come(monkeypatch):
+    """Under no_grad (the proximal pass) the weights still require grad, but no backward will come:
+    the forward makes no logit gradients (their compute and memory would be wasted)."""
+    import areal_bus.train_model as tm
+
+    calls = []
+    kept = tm._chunk_logprobs_kept
+    monkeypatch.setattr(tm, "_chunk_logprobs_kept", lambda *a: calls.append(1) or kept(*a))
+    hidden, weight = torch.randn(12, 4, requires_grad=True), torch.randn(9, 4, requires_grad=True)
+    targets = torch.randint(0, 9, (12,))
+    with torch.no_grad():
+        head_logprobs(hidden, targets, weight, chunk=5, keep_bytes=2**30)
+    assert calls == []
+    head_logprobs(hidden, targets, weight, chunk=5, keep_bytes=2**30)
+    assert len(calls) == 3  # every chunk, with a backward to come
+
+
 def test_fp32_master_weights_keep_an_lr_1e6_update_that_pure_bf16_loses(tmp_path):
     _save_random("llama3", tmp_path / "m")
     (packed,) = pack(_samples(np.random.default_rng(4), [24, 24]), max_tokens=64)
