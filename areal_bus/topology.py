@@ -234,7 +234,7 @@ class TrainerEngineConfig(_Strict):
                                               "recompute their logits in backward (one matmul more, ~5% of an "
                                               "update at the Qwen2-0.5B shape). Keeping costs micro-batch tokens x "
                                               "vocab x 2 bytes (5 GB at 16k tokens and a 152k vocabulary). "
-                                              "None: 8 on CUDA, 1 on CPU; 0: always recompute.")
+                                              "None: a tenth of the GPU's memory, at most 8; 1 on CPU; 0: always recompute.")
     gradient_checkpointing: bool = Field(False, description="torch: recompute each decoder layer's activations in "
                                          "backward (less memory, ~1/3 more compute).")
     mixed_precision: Literal["compute_copy", "autocast"] = Field(
