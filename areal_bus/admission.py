@@ -40,6 +40,17 @@ of this source's episodes already in flight ahead of it (its in-flight allowance
 would not: when the trainer takes more than trigger_batch_size per update, slots run ahead of
 updates without bound. With every update taking trigger_batch_size, the ticket is the dense slot.
 
+Lead (``staleness.lead: adaptive``): the rule lets rollout run ``staleness`` versions ahead whether or
+not that buys anything. Where the trainer is the bottleneck it does not: samples wait in its queue, and
+every one is trained ``staleness`` versions old (bench/RESULTS.md: on the CPU default, staleness 2
+trained 98% of its samples at lag 2 and staleness 1 made as many samples per second, all at lag 1). With
+an adaptive lead the rule uses ``lead`` in place of ``staleness`` (admission and tickets; the trainer's
+drop still checks the configured bound). ``lead`` starts at the bound and moves by one after each
+update the trainer reports, from the samples waiting in its queue then (RunState.ready): two batches or
+more after ``LEAD_DOWN_AFTER`` updates in a row, a whole update more than the next one needs, steps down
+(never below 1: rollout keeps overlapping training); fewer than ``trigger_batch_size``, the trainer is
+about to wait, steps up at once (never above the bound). Every source sees the same reports, so the sources' leads agree.
+
 Versions: the trainer's progress is ordered by ``PolicyVersion`` (lineage, version), as everywhere.
 A restarted trainer resumes from its checkpoint as a new lineage whose version numbers may be lower
 than the last ones reported; ``observe`` takes its reports as newer and measures the batch from its
@@ -66,6 +77,13 @@ def is_over_stale(trainer_version: int, start_version: int, staleness: int) -> b
     return staleness_of(trainer_version, start_version) > staleness
 
 
+LEAD_DOWN_AFTER = 3
+"""Updates in a row that must find two batches waiting at the trainer before an adaptive lead steps
+down: with long-tailed outputs samples arrive in bursts, and one full queue is no proof that a
+shallower pipeline would keep the trainer fed (stepping down on every one, the simulated long tail of
+bench/async_vs_sync.py flapped between leads: the trainer idle 7% instead of 0.1%, twice the drops).
+A step up takes one update that found less than a trigger's worth: a trainer about to wait."""
+
 BATCH_WINDOW = 4
 """Updates over which the trainer's batch size is averaged: long enough to smooth one odd update,
 short enough to follow a change of bottleneck within a few seconds."""
@@ -76,10 +94,13 @@ class Admission:
     equal share of the batch, so together they never exceed the rule."""
 
     def __init__(self, staleness: int, batch: int, sources: int = 1, source_index: int = 0,
-                 max_batch: int | None = None):
+                 max_batch: int | None = None, adaptive: bool = False):
         if batch < 1 or sources < 1 or not 0 <= source_index < sources:
             raise ValueError("batch and sources must be >= 1 and source_index in range")
         self.staleness = staleness
+        self.adaptive = adaptive and staleness > 1  # a lead of 1 is as low as it goes
+        self.lead = staleness  # versions ahead admission allows: the bound, or less when adaptive
+        self._surplus = 0  # updates in a row that found two batches waiting
         self.sources = sources
         self.source_index = source_index
         self.min_batch = batch
@@ -97,10 +118,11 @@ class Admission:
         n = int(n)
         return n // self.sources + (1 if self.source_index < n % self.sources else 0)
 
-    def observe(self, policy: PolicyVersion, consumed: int) -> None:
-        """The trainer's progress: ``consumed`` samples trained on by the time it reached ``policy``.
-        A report older than the last is ignored (a late or replayed one); a newer lineage (a restarted
-        trainer) starts the measurement over."""
+    def observe(self, policy: PolicyVersion, consumed: int, ready: int | None = None) -> None:
+        """The trainer's progress: ``consumed`` samples trained on by the time it reached ``policy``,
+        ``ready`` samples waiting in its queue then (None: not reported). A report older than the last
+        is ignored (a late or replayed one); a newer lineage (a restarted trainer) starts the
+        measurement over. With an adaptive lead, a newer version's ``ready`` moves the lead."""
         if self.history:
             last = self.history[-1][0]
             if policy <= last:
@@ -108,6 +130,12 @@ class Admission:
             if policy.lineage != last.lineage:
                 self.history = []
         self.history = [*self.history, (policy, consumed)][-(BATCH_WINDOW + 1):]
+        if self.adaptive and ready is not None and len(self.history) >= 2:
+            self._surplus = self._surplus + 1 if ready >= 2 * self.batch else 0
+            if self._surplus >= LEAD_DOWN_AFTER:
+                self.lead, self._surplus = max(1, self.lead - 1), 0
+            elif ready < self.min_batch:
+                self.lead = min(self.staleness, self.lead + 1)
 
     @property
     def batch(self) -> int:
@@ -120,10 +148,10 @@ class Admission:
     def capacity(self, version: int) -> int:
         """Episodes that may start now, the trainer having made ``version`` updates (a count: see the
         module docstring for why a plain number is right here)."""
-        by_version = capacity(version, self.staleness, self._share(self.max_batch), self.admitted)
+        by_version = capacity(version, self.lead, self._share(self.max_batch), self.admitted)
         if not self.history:
             return by_version
-        by_consumption = self.consumed + self._share((self.staleness + 1) * self.batch) - self.admitted
+        by_consumption = self.consumed + self._share((self.lead + 1) * self.batch) - self.admitted
         if self.sources == 1 or self.staleness == 0:
             # AReaL's form at the largest batch is never exceeded either: it keeps synchronous mode
             # from starting a batch before the version that trains it, and a lone source from
@@ -135,7 +163,7 @@ class Admission:
     def follow(self, state, source: str) -> None:
         """Take in a RunState: the trainer's progress and this source's totals (a malformed entry
         is ignored; the next report, half a second later, carries the same totals)."""
-        self.observe(PolicyVersion.of(state), state.consumed)
+        self.observe(PolicyVersion.of(state), state.consumed, getattr(state, "ready", None))
         entry = state.sources.get(source) if isinstance(state.sources, dict) else None
         if isinstance(entry, list | tuple) and len(entry) == 2 and all(type(x) is int and x >= 0 for x in entry):
             self.sync(state.incarnation, entry[0], entry[1])
@@ -166,8 +194,8 @@ class Admission:
             return self.admitted * self.min_batch // max(1, self._share(self.max_batch))
         # The consumption form lets this source hold fewer than ``allowed`` in flight over staleness + 1
         # updates: each allowed / (staleness + 1) of them ahead of it is one more update to wait for.
-        allowed = max(1, self._share((self.staleness + 1) * self.batch))
-        ahead = max(0, self.admitted - self.consumed) * (self.staleness + 1)
+        allowed = max(1, self._share((self.lead + 1) * self.batch))
+        ahead = max(0, self.admitted - self.consumed) * (self.lead + 1)
         return self.history[-1][0].version * self.min_batch + ahead * self.min_batch // allowed
 
     def admit(self, n: int = 1) -> int:

@@ -339,3 +339,4 @@ class RunState:
     incarnation: str = ""
     sources: dict = field(default_factory=dict)
     lineage: str = ""  # the lineage of ``version`` (areal_bus.version.PolicyVersion)
+    ready: int = 0  # samples accepted and waiting to be trained (staleness.lead: adaptive reads it)

@@ -95,6 +95,13 @@ class StalenessConfig(_Strict):
                                   "ones) is trained anyway, its staleness counted (over_bound per update), and the "
                                   "decoupled objective's behav_imp_weight_cap masks its tokens whose behaviour "
                                   "importance weight is too far off.")
+    lead: Literal["bound", "adaptive"] = Field(
+        "bound", description="How far ahead of the trainer rollout may start episodes. 'bound': as far as "
+        "staleness_threshold allows (AReaL's rule). 'adaptive': starts at the bound, steps down one version "
+        "when the trainer has held two batches' worth of samples after three updates in a row (it is the "
+        "bottleneck: a deeper pipeline adds staleness, not throughput) and back up after an update that "
+        "left it less than trigger_batch_size (it would wait); never below 1, never above the bound "
+        "(areal_bus/admission.py).")
 
 
 _PLUGIN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*"

@@ -47,9 +47,10 @@ WORKLOAD = {
 }
 
 
-def topology(mode: str, steps: int, scale: float) -> dict:
+def topology(mode: str, steps: int, scale: float, lead: str = "bound") -> dict:
     topo = json.loads(json.dumps(WORKLOAD))
     topo["name"] = f"bench-{mode}"
+    topo["staleness"] = {"lead": lead}
     topo["async"] = {"enabled": mode == "async"}
     topo["max_steps"] = steps
     re, te = topo["rollout_engine"], topo["trainer_engine"]
@@ -87,8 +88,8 @@ def describe(topo_dict: dict) -> list[str]:
     ]
 
 
-def run_mode(mode: str, steps: int, scale: float, keep: Path | None) -> list[dict]:
-    records, wall = run_system(topology(mode, steps, scale), mode, keep, timeout=900)
+def run_mode(mode: str, steps: int, scale: float, keep: Path | None, lead: str = "bound") -> list[dict]:
+    records, wall = run_system(topology(mode, steps, scale, lead), mode, keep, timeout=900)
     if len(records) < steps:
         raise RuntimeError(f"{mode}: only {len(records)} of {steps} steps recorded")
     print(f"  {mode}: {len(records)} steps in {wall:.1f} s wall (incl. start-up and shut-down)", flush=True)
@@ -122,6 +123,7 @@ def main() -> int:
     p.add_argument("--scale", type=float, default=1.0, help="multiply every modelled time (2 = half the CPU load)")
     p.add_argument("--quick", action="store_true", help="few steps, for a smoke test")
     p.add_argument("--keep-logs", type=Path, default=None, help="copy each mode's logs here")
+    p.add_argument("--lead", choices=("bound", "adaptive"), default="bound", help="staleness.lead of the async run")
     args = p.parse_args()
     if args.quick:
         args.async_steps, args.sync_steps = 12, 5
@@ -131,7 +133,7 @@ def main() -> int:
     print("running:", flush=True)
     res = {}
     for mode, steps, warmup in (("async", args.async_steps, 4), ("sync", args.sync_steps, 2)):
-        res[mode] = summarize(run_mode(mode, steps, args.scale, args.keep_logs), warmup)
+        res[mode] = summarize(run_mode(mode, steps, args.scale, args.keep_logs, args.lead), warmup)
     ratio = res["async"]["samples_per_s"] / res["sync"]["samples_per_s"]
     staleness = WORKLOAD["staleness_threshold"]
     print()

@@ -293,3 +293,59 @@ def test_an_episode_is_never_admitted_for_an_update_past_the_staleness_bound(sta
                 assert seen <= update <= version + staleness
                 assert update <= seen + staleness
                 ready += 1
+
+
+def _ready_state(version, consumed, ready, sources=None):
+    from areal_bus.messages import RunState
+
+    return RunState(version=version, max_steps=100, finished=False, consumed=consumed, incarnation="t1",
+                    sources=sources or {}, ready=ready)
+
+
+def test_an_adaptive_lead_steps_down_while_the_trainer_holds_a_spare_batch_and_up_when_it_would_wait():
+    # global batch 64, trigger 32, staleness 2: the lead starts at the bound.
+    adm = Admission(staleness=2, batch=32, max_batch=64, adaptive=True)
+    assert adm.lead == 2
+    adm.follow(_ready_state(1, 64, 128), "s")  # one report: no batch measured yet, nothing moves
+    assert adm.lead == 2
+    # Two batches waiting after an update: the trainer is the bottleneck; three updates in a row step down.
+    for v in (2, 3):
+        adm.follow(_ready_state(v, 64 * v, 128), "s")
+        assert adm.lead == 2
+    adm.follow(_ready_state(3, 192, 128), "s")  # the same version again (a heartbeat): counts nothing
+    assert adm.lead == 2
+    adm.follow(_ready_state(4, 256, 128), "s")
+    assert adm.lead == 1
+    for v in (5, 6, 7):
+        adm.follow(_ready_state(v, 64 * v, 128), "s")
+    assert adm.lead == 1  # never below 1: rollout keeps overlapping training
+    adm.follow(_ready_state(8, 512, 64), "s")  # one batch waiting: just enough, stays
+    assert adm.lead == 1
+    adm.follow(_ready_state(9, 576, 10), "s")  # fewer than the trigger: the trainer would wait, up at once
+    assert adm.lead == 2
+    adm.follow(_ready_state(10, 640, 0), "s")
+    assert adm.lead == 2  # never above the bound
+    for v in (11, 12):  # a surplus run broken by a deficit starts over
+        adm.follow(_ready_state(v, 64 * v, 128), "s")
+    adm.follow(_ready_state(13, 832, 20), "s")
+    adm.follow(_ready_state(14, 896, 128), "s")
+    assert adm.lead == 2
+
+
+def test_the_lead_is_what_admission_and_tickets_use_and_the_bound_alone_without_adaptive():
+    fixed = Admission(staleness=2, batch=32, max_batch=64)
+    adaptive = Admission(staleness=2, batch=32, max_batch=64, adaptive=True)
+    for adm in (fixed, adaptive):
+        for v in range(1, 5):
+            adm.follow(_ready_state(v, 64 * v, 128), "s")
+    assert (fixed.lead, adaptive.lead) == (2, 1)
+    # In flight allowed (nothing of this source's consumed yet): (lead + 1) batches.
+    assert fixed.capacity(4) == 3 * 64
+    assert adaptive.capacity(4) == 2 * 64
+    adaptive.admit(adaptive.capacity(4) - 1)
+    # The last episode admitted is for the update lead versions past the trainer's (tickets count
+    # 1 / trigger of an update).
+    assert adaptive.admit(1) // 32 == 4 + adaptive.lead
+    # Synchronous and staleness-1 runs have nothing to adapt.
+    assert not Admission(staleness=1, batch=32, adaptive=True).adaptive
+    assert not Admission(staleness=0, batch=32, adaptive=True).adaptive

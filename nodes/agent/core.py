@@ -73,7 +73,8 @@ class EpisodeSource:
         self.driver = driver or SimDriver(topo)
         sources = topo.admission_sources()
         self.admission = Admission(topo.effective_staleness, topo.effective_trigger, len(sources),
-                                   sources.index(f"agent-{replica}"), max_batch=topo.global_batch_size)
+                                   sources.index(f"agent-{replica}"), max_batch=topo.global_batch_size,
+                                   adaptive=topo.staleness.lead == "adaptive")
         self.rng = np.random.default_rng(topo.agent.seed * 1000 + replica)
         self.prefix = f"a{replica}-{uuid.uuid4().hex[:8]}"
         self.count = 0

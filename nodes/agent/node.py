@@ -125,6 +125,7 @@ def run(topo, replica: int = 0, base=None) -> int:
             shell.metrics.gauge("queue.unsent", len(src.to_send))
             shell.metrics.gauge("running", len(src.requests))
             shell.metrics.gauge("capacity", src.admission.capacity(src.version))
+            shell.metrics.gauge("lead", src.admission.lead)
             shell.metrics.gauge("admission_batch", src.admission.batch)
             poller.poll(POLL_MS if not (src.to_send or sender.pending) else 2)
     finally:

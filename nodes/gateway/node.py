@@ -43,7 +43,7 @@ def _admission(topo, replica: int) -> Admission:
     # Agents and gateways start episodes from one budget: each takes its share of the rule's batch.
     sources = topo.admission_sources()
     return Admission(topo.effective_staleness, topo.effective_trigger, len(sources), sources.index(f"gateway-{replica}"),
-                     max_batch=topo.global_batch_size)
+                     max_batch=topo.global_batch_size, adaptive=topo.staleness.lead == "adaptive")
 
 
 def _is_self(base_url: str, cfg) -> bool:
@@ -138,6 +138,7 @@ class GatewayWiring:
         sender.flush()
         shell.metrics.gauge("queue.unacked", len(sender.unacked))
         shell.metrics.gauge("capacity", self.admission.capacity(shell.version))
+        shell.metrics.gauge("lead", self.admission.lead)
 
     def close(self) -> None:
         self.backend.close()

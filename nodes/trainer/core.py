@@ -610,7 +610,7 @@ class TrainerCore:
         self.last_state = now
         return m.TOPIC_RUN, m.RunState(version=self.version, max_steps=self.topo.max_steps, finished=finished,
                                        consumed=self.trained, incarnation=self.epoch, sources=dict(self.totals),
-                                       lineage=self.policy.lineage)
+                                       lineage=self.policy.lineage, ready=len(self.queue.buffer))
 
     def _ack(self, **ids) -> tuple[bytes, m.TrajAck]:
         return m.TOPIC_TRAJ_ACK, m.TrajAck(trainer_version=self.version, **{
