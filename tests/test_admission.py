@@ -349,3 +349,18 @@ def test_the_lead_is_what_admission_and_tickets_use_and_the_bound_alone_without_
     # Synchronous and staleness-1 runs have nothing to adapt.
     assert not Admission(staleness=1, batch=32, adaptive=True).adaptive
     assert not Admission(staleness=0, batch=32, adaptive=True).adaptive
+
+
+def test_an_agents_admission_follows_the_trainers_ready_count_with_lead_adaptive():
+    """The wiring: topology staleness.lead -> the agent's admission, RunState.ready -> its lead."""
+    from areal_bus.topology import parse_topology
+    from nodes.agent import EpisodeSource
+
+    topo = parse_topology({"async": {"enabled": True}, "global_batch_size": 64, "trigger_batch_size": 32,
+                           "staleness_threshold": 2, "staleness": {"lead": "adaptive"}})
+    src = EpisodeSource(topo, replica=0, replicas=1)
+    assert src.admission.adaptive and src.admission.lead == 2
+    for v in range(1, 5):
+        src.on_run_state(_ready_state(v, 64 * v, 128))
+    assert src.admission.lead == 1
+    assert not EpisodeSource(parse_topology({"staleness_threshold": 2}), replica=0, replicas=1).admission.adaptive

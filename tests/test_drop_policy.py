@@ -97,3 +97,19 @@ def test_over_many_updates_the_bound_holds_in_the_sense_of_each_policy(make_traj
         assert over == 0 and over_counted == 0 and dropped > 0
     else:
         assert dropped == 0 and over > 0 and over_counted == over
+
+
+def test_the_run_state_after_an_update_says_how_many_samples_wait_and_lead_is_a_checked_knob(make_traj):
+    """RunState.ready (what staleness.lead: adaptive reads) is the trainer's queue right after an update,
+    before the next batch is taken."""
+    core = _core(True)
+    core.receive([make_traj(t, versions=(3,), source="s") for t in "abcde"])
+    out = core.next_job(1.0)
+    assert len(out.job.batch) == 4
+    trained = core.on_trained(out.job, {"loss": 0.1}, 2.0)
+    (state,) = [msg for _, msg in trained.publish if isinstance(msg, m.RunState)]
+    assert (state.ready, state.consumed) == (1, 4)
+    assert parse_topology({}).staleness.lead == "bound"
+    assert parse_topology({"staleness": {"lead": "adaptive"}}).staleness.lead == "adaptive"
+    with pytest.raises(TopologyError, match=r"staleness\.lead"):
+        parse_topology({"staleness": {"lead": "sometimes"}}, "t.yaml")
