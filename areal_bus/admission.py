@@ -49,7 +49,8 @@ drop still checks the configured bound). ``lead`` starts at the bound and moves 
 update the trainer reports, from the samples waiting in its queue then (RunState.ready): two batches or
 more after ``LEAD_DOWN_AFTER`` updates in a row, a whole update more than the next one needs, steps down
 (never below 1: rollout keeps overlapping training); fewer than ``trigger_batch_size``, the trainer is
-about to wait, steps up at once (never above the bound). Every source sees the same reports, so the sources' leads agree.
+about to wait, steps up at once (never above the bound). Every source reads the same reports, so their
+leads move together (a lost report can leave one a step apart until the next change).
 
 Versions: the trainer's progress is ordered by ``PolicyVersion`` (lineage, version), as everywhere.
 A restarted trainer resumes from its checkpoint as a new lineage whose version numbers may be lower

@@ -7,7 +7,8 @@ Workload: sample lengths as bench/trainer.py draws them (lognormal, median 500, 
 200..3,000) packed into micro-batches of --tokens tokens, at a shape's attention (Qwen2-0.5B: 14 query
 heads, 2 key/value heads, head_dim 64; 1.5B: 12 / 2 / 128), bf16. Checked first: each backend's
 output and gradients against float32 attention computed sample by sample (max abs error). Timed:
---iters forward+backward passes after --warmup, CUDA events, and the attention FLOPs (causal: 2 x 2 x sum len^2 x heads x head_dim per forward, x 2.5 for backward).
+--iters forward+backward passes after --warmup, CUDA events, and the attention FLOPs (causal: 2 x 2 x
+sum len^2 x heads x head_dim / 2 per forward, x 2.5 more for backward).
 
 Run (GPU):  python3 bench/attn_varlen.py                 (both shapes, ~1 min)
 Prints one line per shape and backend and a ``RESULT`` line; a backend that cannot run says why.
