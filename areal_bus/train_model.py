@@ -429,7 +429,7 @@ class HeadLogprobs(torch.autograd.Function):
         ent = torch.empty_like(lp) if entropy else None
         fwd = _kernel(_chunk_logprobs, h.device)
         fwd_kept = _kernel(_chunk_logprobs_kept, h.device)
-        budget = keep_bytes if any(ctx.needs_input_grad[:3]) else 0
+        budget = keep_bytes  # 0 where no backward comes: head_logprobs decides (needs_input_grad cannot)
         kept: list[torch.Tensor] = []  # d log p / d logits of the first len(kept) chunks
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, h.shape[0], chunk):
