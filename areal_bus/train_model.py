@@ -247,7 +247,10 @@ class Packed:
     segments' cumulative lengths ([segments + 1], int32: what varlen attention takes), made with the rest
     so that a forward on a GPU copies nothing from the host; ``longest`` the longest segment. A padded
     micro-batch (``pack(pad_to=...)``) ends in one more segment, of padding: in ``cu``, not in ``rows``,
-    loss weight 0."""
+    loss weight 0. ``head`` (``pack(loss_only=True)``; None: every position): the tokens whose
+    log-probability is computed, those of loss weight != 0 that do not start a sample, in order, then
+    sentinels N, N+1, ... up to a multiple of ``HEAD_PAD_ROWS`` (on a padded micro-batch): the
+    lm_head runs on these rows only (``PackedLM``)."""
 
     ids: torch.Tensor
     positions: torch.Tensor
@@ -258,6 +261,7 @@ class Packed:
     cu: torch.Tensor
     lag: torch.Tensor
     longest: int
+    head: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -272,10 +276,11 @@ class Packed:
         cuda = torch.device(device).type == "cuda"
         move = lambda t: (t.pin_memory() if cuda else t).to(device, non_blocking=True)
         return Packed(move(self.ids), move(self.positions), move(self.mask), move(self.behav), move(self.adv),
-                      self.rows, move(self.cu), move(self.lag), self.longest)
+                      self.rows, move(self.cu), move(self.lag), self.longest,
+                      None if self.head is None else move(self.head))
 
 
-def pack(samples: list[dict], max_tokens: int, pad_to: int = 1) -> list[Packed]:
+def pack(samples: list[dict], max_tokens: int, pad_to: int = 1, loss_only: bool = False) -> list[Packed]:
     """Micro-batches of at most ``max_tokens`` tokens (a longer sample gets one of its own), in the
     samples' order. Each sample is a dict of 1-D arrays (numpy or torch) as long as its tokens: ``ids``
     (prompt + output), ``mask`` (loss weight), ``behav`` (the sampler's logprobs), ``adv``, and
@@ -284,8 +289,14 @@ def pack(samples: list[dict], max_tokens: int, pad_to: int = 1) -> list[Packed]:
     ``pad_to`` > 1 rounds each micro-batch's length up to a multiple of it with a segment of padding
     (token 0, loss weight 0, attention of its own), so that a GPU's matmuls see a few row counts again
     and again: cuBLAS chooses a kernel for every new shape, ~5 ms of host time each on an H200, during
-    which the GPU waits (bench/RESULTS.md). The padding may take a micro-batch past ``max_tokens``."""
-    return [_pack_group(samples, g, pad_to) for g in _groups([len(s["ids"]) for s in samples], max_tokens)]
+    which the GPU waits (bench/RESULTS.md). The padding may take a micro-batch past ``max_tokens``.
+
+    ``loss_only``: the micro-batches name the tokens the loss reads (``Packed.head``), and the lm_head
+    computes their log-probabilities only; every other entry is 0. The objective reads nothing else
+    (every term is weighted by the loss mask), so the update is the same; prompts, tool outputs and
+    padding skip the head's matmul, forward and backward, and its passes over [tokens, vocab]."""
+    return [_pack_group(samples, g, pad_to, loss_only)
+            for g in _groups([len(s["ids"]) for s in samples], max_tokens)]
 
 
 def _groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -301,7 +312,8 @@ def _groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
-def pack_rows(data: dict[str, torch.Tensor], rows: torch.Tensor, max_tokens: int, pad_to: int = 1) -> list[Packed]:
+def pack_rows(data: dict[str, torch.Tensor], rows: torch.Tensor, max_tokens: int, pad_to: int = 1,
+              loss_only: bool = False) -> list[Packed]:
     """``pack`` over rows of a right-padded batch (``ids``, ``attn``, ``mask``, ``behav``, ``adv`` and
     optionally ``lag``, [B, T]): each row's tokens up to its length. One gather per field and micro-batch
     (the batch's rows are right-padded, so row-major order of the real tokens is the samples laid end
@@ -313,19 +325,27 @@ def pack_rows(data: dict[str, torch.Tensor], rows: torch.Tensor, max_tokens: int
         idx = rows[group]
         real = data["attn"][idx].bool()
         fields = {k: data[k][idx][real] for k in ("ids", "mask", "behav", "adv", "lag") if k in data}
-        out.append(_packed(fields, group, [lengths[i] for i in group], pad_to))
+        out.append(_packed(fields, group, [lengths[i] for i in group], pad_to, loss_only))
     return out
 
 
-def _pack_group(samples: list[dict], idx: list[int], pad_to: int = 1) -> Packed:
+def _pack_group(samples: list[dict], idx: list[int], pad_to: int = 1, loss_only: bool = False) -> Packed:
     keys = [k for k in ("ids", "mask", "behav", "adv", "lag") if all(k in samples[i] for i in idx)]
     fields = {k: torch.cat([torch.as_tensor(samples[i][k]) for i in idx]) for k in keys}
-    return _packed(fields, idx, [len(samples[i]["ids"]) for i in idx], pad_to)
+    return _packed(fields, idx, [len(samples[i]["ids"]) for i in idx], pad_to, loss_only)
 
 
-def _packed(fields: dict[str, torch.Tensor], idx: list[int], sizes: list[int], pad_to: int) -> Packed:
+HEAD_PAD_ROWS = 128
+"""On a padded micro-batch (``pad_to`` > 1) the head's rows are rounded up to a multiple of this: the
+last logit chunk then has one of a few lengths, whose matmuls cuBLAS soon knows (as for
+``pad_to``), for at most 127 rows computed in vain."""
+
+
+def _packed(fields: dict[str, torch.Tensor], idx: list[int], sizes: list[int], pad_to: int,
+            loss_only: bool = False) -> Packed:
     """A micro-batch from its samples' fields laid end to end (``lag`` optional: 0 without it), the
-    samples' indices and lengths: padded to a multiple of ``pad_to``, positions restarting per segment."""
+    samples' indices and lengths: padded to a multiple of ``pad_to``, positions restarting per segment;
+    with ``loss_only`` the head's rows (``Packed.head``)."""
     start = list(itertools.accumulate([0] + sizes))
     pad = -start[-1] % max(1, pad_to)
     segments = sizes + ([pad] if pad else [])
@@ -335,9 +355,17 @@ def _packed(fields: dict[str, torch.Tensor], idx: list[int], sizes: list[int], p
     cu = torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)])
     positions = torch.arange(total) - torch.repeat_interleave(cu[:-1], n)
     lag = field("lag", torch.float32) if "lag" in fields else torch.zeros(total, dtype=torch.float32)
-    return Packed(field("ids", torch.long)[None], positions[None], field("mask", torch.float32),
+    mask = field("mask", torch.float32)
+    head = None
+    if loss_only:
+        head = torch.nonzero((mask != 0) & (positions != 0)).flatten()
+        granule = min(max(1, pad_to), HEAD_PAD_ROWS)
+        extra = -head.numel() % granule or (granule if head.numel() == 0 else 0)  # one row at least
+        head = torch.cat([head, total + torch.arange(extra)])  # sentinels: computed, then dropped
+    return Packed(field("ids", torch.long)[None], positions[None], mask,
                   field("behav", torch.float32), field("adv", torch.float32),
-                  [(i, start[j], sizes[j]) for j, i in enumerate(idx)], cu.to(torch.int32), lag, max(segments))
+                  [(i, start[j], sizes[j]) for j, i in enumerate(idx)], cu.to(torch.int32), lag, max(segments),
+                  head)
 
 
 # -- log-probabilities ------------------------------------------------------------------------
@@ -516,20 +544,29 @@ class PackedLM(torch.nn.Module):
         return self.lm.config
 
     def forward(self, ids, positions, cu, longest: int, temperature, chunk: int, entropy: bool,
-                keep_bytes: int = 0):
+                keep_bytes: int = 0, head=None):
         lm = self.lm
         decoder = getattr(lm, lm.base_model_prefix)
         hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                          max_length_q=longest, max_length_k=longest).last_hidden_state[0]
-        head = lm.get_output_embeddings()
+        out = lm.get_output_embeddings()
         softcap = getattr(lm.config, "final_logit_softcapping", None)
-        lp, ent = head_logprobs(hidden[:-1], ids[0, 1:], head.weight, head.bias, temperature=temperature,
-                                softcap=softcap, chunk=chunk, entropy=entropy, keep_bytes=keep_bytes)
-        zero = hidden.new_zeros(1, dtype=torch.float32)
-        starts = positions[0] == 0
-        lp = torch.cat([zero, lp]).masked_fill(starts, 0.0)
-        ent = torch.cat([zero, ent]).masked_fill(starts, 0.0) if entropy else None
-        return lp, ent
+        n = hidden.shape[0]
+        if head is None:  # every position: token t from hidden t - 1
+            rows, targets = hidden[:-1], ids[0, 1:]
+        else:  # the named tokens only; sentinels (>= n) read the last position and land past the end
+            real = head.clamp(max=n - 1)
+            rows, targets = hidden[(real - 1).clamp(min=0)], ids[0, real]
+        lp, ent = head_logprobs(rows, targets, out.weight, out.bias, temperature=temperature, softcap=softcap,
+                                chunk=chunk, entropy=entropy, keep_bytes=keep_bytes)
+        if head is None:
+            zero = hidden.new_zeros(1, dtype=torch.float32)
+            starts = positions[0] == 0
+            lp = torch.cat([zero, lp]).masked_fill(starts, 0.0)
+            ent = torch.cat([zero, ent]).masked_fill(starts, 0.0) if entropy else None
+            return lp, ent
+        spread = lambda v: hidden.new_zeros(n + head.numel(), dtype=torch.float32).index_copy(0, head, v)[:n]
+        return spread(lp), (spread(ent) if entropy else None)
 
 
 def packed_logprobs(model, packed: Packed, temperature: float = 1.0, *, chunk: int = LOGIT_CHUNK_TOKENS,
@@ -538,21 +575,29 @@ def packed_logprobs(model, packed: Packed, temperature: float = 1.0, *, chunk: i
 
     ``model``: a PackedLM, or a transformers causal LM. The entropy (with ``entropy``) carries no
     gradient; it comes from the same read of the logits as the log-probabilities. Entry t is 0 where
-    token t starts a sample (nothing predicts it). Differentiable in the model's parameters; the logits of one
+    token t starts a sample (nothing predicts it), and, for a micro-batch packed with ``loss_only``, where
+    its loss weight is 0 (not computed). Differentiable in the model's parameters; the logits of one
     chunk of positions exist at a time, and backward recomputes them, except for the chunks whose logits'
     gradient fits in ``keep_bytes`` (made in the forward and kept: ``HeadLogprobs``)."""
     policy = model if isinstance(model, PackedLM) else PackedLM(model)
     return policy(packed.ids, packed.positions, packed.cu, packed.longest, temperature, chunk, entropy,
-                  keep_bytes)
+                  keep_bytes, packed.head)
 
 
 def train_flops(n_params: int, layers: int, hidden: int, tokens: int, seq_sq_sum: int,
-                proximal: tuple[int, int] | None = None) -> float:
+                proximal: tuple[int, int] | None = None, head: tuple[int, int, int] | None = None) -> float:
     """FLOPs of one update over ``tokens`` real tokens: 6 N per token for forward and backward of the
     matmuls (N = parameters, a tied embedding counted once, as the lm_head matmul), causal attention's
     2 x layers x hidden x sum(len^2) per forward (x3 with backward), and one more forward for the
     proximal log-probabilities of ``proximal`` = (tokens, sum(len^2)) (default: all of them; the engine
-    takes the first mini-batch's from its training forward). Recomputation (the head's in backward,
-    activation checkpointing) is not counted: MFU counts useful work."""
-    fwd = lambda n, sq: 2 * n_params * n + 2 * layers * hidden * sq
-    return 3 * fwd(tokens, seq_sq_sum) + fwd(*(proximal or (tokens, seq_sq_sum)))
+    takes the first mini-batch's from its training forward). ``head`` = (the lm_head's parameters,
+    the tokens whose log-probability the loss reads, those of them in the proximal pass): the head's
+    matmul counted on those tokens only (the engine computes no other; None: on every token).
+    Recomputation (the head's in backward, activation checkpointing) is not counted: MFU counts useful
+    work."""
+    hp, head_tokens, prox_head_tokens = head or (0, 0, 0)
+    fwd = lambda n, sq, h: 2 * (n_params - hp) * n + 2 * hp * h + 2 * layers * hidden * sq
+    prox = proximal or (tokens, seq_sq_sum)
+    if head is None:
+        head_tokens, prox_head_tokens = tokens, prox[0]
+    return 3 * fwd(tokens, seq_sq_sum, head_tokens) + fwd(*prox, prox_head_tokens)

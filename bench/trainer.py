@@ -30,7 +30,10 @@ the same random float32 weights (a Hugging Face folder written once per shape).
             Micro-batches are padded as the engine does (--pad-tokens: micro_batch_pad_tokens).
 
 FLOPs (for MFU): 6 N per token (forward + backward, N = parameters with the tied embedding once as the
-lm_head matmul) + 2 N per token for the proximal forward of every mini-batch but an update's first
+lm_head matmul, which is counted on the loss's tokens only: the prompts' log-probabilities are no work
+the update needs, and since 2026-12-04 the engine computes none; tables before that date counted the
+head on every token, ~1 point of MFU more for the same speed) + 2 N per token for the proximal forward
+of every mini-batch but an update's first
 (whose training forward, before any step, is its proximal pass), + causal attention (2 x layers x hidden x
 sum len^2 per forward, x3 with backward), all over real (unpadded) tokens; peak 989 TFLOP/s (H100/H200
 dense bf16 datasheet). Printed per shape and path: tokens/s, MFU, seconds per timed update, the first
@@ -263,7 +266,9 @@ def measure(name: str, cfg: dict, updates, args, device) -> dict:
     if "loglinear" in name:  # no proximal forward at all
         later = []
     proximal = (sum(s["ids"].size for s in later), sum(int(s["ids"].size) ** 2 for s in later))
-    flops = train_flops(n_params, cfg["num_hidden_layers"], cfg["hidden_size"], tokens, sq, proximal)
+    loss_tokens = lambda samples: sum(int((s["mask"][1:] != 0).sum()) for s in samples)  # a sample's first: none
+    head = (cfg["vocab_size"] * cfg["hidden_size"], loss_tokens([s for u in timed for s in u]), loss_tokens(later))
+    flops = train_flops(n_params, cfg["num_hidden_layers"], cfg["hidden_size"], tokens, sq, proximal, head)
     secs = sum(times)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     return {"params": n_params, "tokens_per_s": tokens / secs, "mfu": flops / secs / PEAK_BF16,

@@ -273,6 +273,26 @@ def test_kept_logit_gradients_make_the_same_update(model_dir):
     torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5, rtol=1e-4)
 
 
+def test_the_head_on_the_loss_tokens_only_makes_the_same_update(model_dir, monkeypatch):
+    """The engine packs with loss_only: the lm_head runs on the loss's tokens (not the prompts), and the
+    update, its diagnostics and the entropy are those of the head over every position."""
+    import areal_bus.engines.torch_train as torch_train
+    from areal_bus import train_model
+
+    trajs = _episodes(model_dir)
+    runs, head_rows = [], []
+    for loss_only in (False, True):
+        def packs(*args, _flag=loss_only, loss_only=True, **kwargs):
+            out = train_model.pack_rows(*args, loss_only=_flag, **kwargs)
+            head_rows.append(sum(p.tokens if p.head is None else p.head.numel() for p in out))
+            return out
+        monkeypatch.setattr(torch_train, "pack_rows", packs)
+        runs.append(_trained(TorchTrainEngine(_topo(model_dir), model_dir), trajs))
+    _assert_same_update(*runs)
+    half = len(head_rows) // 2
+    assert sum(head_rows[half:]) < sum(head_rows[:half])  # the prompts' rows skipped the head
+
+
 def test_loglinear_proximal_makes_the_recomputed_update_on_fresh_samples_with_one_forward_per_micro_batch(model_dir):
     """trainer_engine.prox_logp_method loglinear (AReaL's): no proximal pass. On samples of the trained
     version (lag 0) the interpolated anchor is the sampler's own log-probability, which the recompute

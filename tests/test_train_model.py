@@ -12,7 +12,7 @@ import torch
 from areal_bus.loss import decoupled_ppo_loss
 from areal_bus.modeling import logprobs_of
 from areal_bus.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, head_logprobs, load_policy,
-                                   pack, packed_logprobs)
+                                   pack, packed_logprobs, train_flops)
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
 
@@ -311,6 +311,49 @@ def test_a_padded_micro_batch_has_the_same_log_probabilities_and_loss(tmp_path):
     torch.testing.assert_close(losses[1], losses[0])
 
 
+@pytest.mark.parametrize("pad_to", [1, 16])
+def test_the_head_on_the_loss_tokens_only_gives_their_log_probabilities_and_gradients(tmp_path, pad_to):
+    """pack(loss_only=True): the lm_head runs on the tokens of loss weight != 0 (and, padded, on
+    sentinel rows dropped after it); those tokens' log-probabilities, entropies and the gradient of any
+    loss over them equal the head over every position; every other entry is 0."""
+    _save_random("qwen2", tmp_path / "m")
+    model = load_policy(tmp_path / "m")
+    samples = _samples(np.random.default_rng(8), [13, 21, 9])
+    samples[1]["mask"][:] = 0.0  # a sample wholly out of the loss
+    results = []
+    for loss_only in (False, True):
+        (packed,) = pack(samples, max_tokens=64, pad_to=pad_to, loss_only=loss_only)
+        model.zero_grad()
+        lp, ent = packed_logprobs(model, packed, temperature=0.8, chunk=5, entropy=True)
+        (lp * packed.mask * torch.linspace(-1, 1, packed.tokens)).sum().backward()
+        results.append((packed, lp.detach(), ent, [p.grad.clone() for p in model.parameters()]))
+    (full, lp_full, ent_full, g_full), (sel, lp_sel, ent_sel, g_sel) = results
+    on = (full.mask != 0) & (full.positions[0] != 0)
+    real = sel.head[sel.head < sel.tokens]
+    assert real.tolist() == torch.nonzero(on).flatten().tolist()
+    assert sel.head.numel() % pad_to == 0 and sel.head.numel() - real.numel() < pad_to  # the sentinels
+    torch.testing.assert_close(lp_sel[on], lp_full[on], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent_sel[on], ent_full[on], atol=1e-6, rtol=1e-6)
+    assert float(lp_sel[~on].abs().sum()) == 0.0 and float(ent_sel[~on].abs().sum()) == 0.0
+    for a, b in zip(g_sel, g_full):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_a_micro_batch_with_no_loss_token_still_runs_the_head_on_one_row(tmp_path):
+    """Every rank of a parallel layout runs the head's forward and backward, a stand-in row of weight 0
+    included: a micro-batch without loss tokens gets one sentinel row, and its gradient is 0."""
+    _save_random("qwen2", tmp_path / "m")
+    model = load_policy(tmp_path / "m")
+    samples = _samples(np.random.default_rng(9), [12])
+    samples[0]["mask"][:] = 0.0
+    (packed,) = pack(samples, max_tokens=64, loss_only=True)
+    assert packed.head.tolist() == [12]
+    lp, _ = packed_logprobs(model, packed)
+    (lp * packed.mask).sum().backward()
+    assert float(lp.detach().abs().sum()) == 0.0
+    assert float(model.lm_head.weight.grad.abs().sum()) == 0.0
+
+
 def test_padding_longer_than_every_sample_still_bounds_the_attention():
     (packed,) = pack(_samples(np.random.default_rng(7), [5, 6]), max_tokens=64, pad_to=32)
     assert packed.tokens == 32 and packed.longest == 21  # max_length_q covers the padding segment
@@ -339,3 +382,12 @@ def test_packing_rows_of_a_padded_batch_equals_packing_the_samples(pad_to):
         assert g.rows == w.rows and g.longest == w.longest
         for k in ("ids", "positions", "mask", "behav", "adv", "cu", "lag"):
             assert torch.equal(getattr(g, k), getattr(w, k)), k
+
+
+def test_train_flops_count_the_head_on_the_tokens_it_runs_on():
+    """MFU's count: the lm_head's matmul on the loss's tokens only when ``head`` says how many."""
+    base = train_flops(1000, 2, 8, 100, 5000, proximal=(60, 3000))
+    assert base == 3 * (2 * 1000 * 100 + 2 * 2 * 8 * 5000) + 2 * 1000 * 60 + 2 * 2 * 8 * 3000
+    assert train_flops(1000, 2, 8, 100, 5000, proximal=(60, 3000), head=(300, 100, 60)) == base
+    fewer = train_flops(1000, 2, 8, 100, 5000, proximal=(60, 3000), head=(300, 90, 50))
+    assert base - fewer == 6 * 300 * 10 + 2 * 300 * 10

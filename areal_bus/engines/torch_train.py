@@ -9,7 +9,8 @@ version)`` is one policy update (one version):
   2. the batch is right-padded into [B, T] tensors (prompt + output tokens, the loss mask: policy tokens
      only, the behaviour log-probabilities the engine recorded): the form the parallel ranks receive;
   3. each mini-batch's rows (this rank's share) are packed without padding into micro-batches of at most
-     ``micro_batch_tokens`` tokens (attention within each sample: ``train_model.VARLEN``);
+     ``micro_batch_tokens`` tokens (attention within each sample: ``train_model.VARLEN``); the lm_head
+     runs on the loss's tokens only (prompts and tool outputs skip it: ``pack(loss_only=True)``);
   4. proximal log-probabilities are recomputed once, with the weights as they stand before this update
      (the entropy of the policy is logged from the same pass); the first mini-batch's training forward,
      made before any optimizer step, is its own proximal pass (``trainer_engine.prox_logp_method:
@@ -283,7 +284,7 @@ class TorchTrainEngine:
             # For the same reason, with dp > 1 a rank's rows make one micro-batch: every rank must run
             # as many forwards as the others.
             packs = pack_rows(data, rows if len(rows) else mb[:1], self.micro_tokens if world == 1 else 1 << 62,
-                              self.pad_to)
+                              self.pad_to, loss_only=True)
             total = float(data["mask"][mb].sum().clamp(min=1))
             plans.append([(p.to(self.device), float(p.mask.sum()) / total if len(rows) else 0.0) for p in packs])
             if len(rows):
