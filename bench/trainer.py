@@ -26,7 +26,7 @@ the same random float32 weights (a Hugging Face folder written once per shape).
             trainer_engine.prox_logp_method loglinear (no proximal forward; none counted in MFU either),
             ``+nokeep`` trainer_engine.logit_grad_keep_gib 0 (the lm_head's logits recomputed in backward
             instead of their gradient kept from the forward), ``+chunk8k`` trainer_engine.logit_chunk_tokens
-            8192 (4096 otherwise).
+            8192 (4096 otherwise), ``+padN`` trainer_engine.micro_batch_pad_tokens N.
             Micro-batches are padded as the engine does (--pad-tokens: micro_batch_pad_tokens).
 
 FLOPs (for MFU): 6 N per token (forward + backward, N = parameters with the tied embedding once as the
@@ -152,10 +152,12 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
     schema's defaults; ``variant`` is trainer_engine.mixed_precision, '+compile' adds trainer_engine.compile,
     '+loglinear' sets trainer_engine.prox_logp_method: loglinear (no proximal forward), '+nokeep'
     trainer_engine.logit_grad_keep_gib: 0 (the head's logits recomputed in backward), '+chunk8k'
-    trainer_engine.logit_chunk_tokens: 8192 (else 4096, the default)."""
+    trainer_engine.logit_chunk_tokens: 8192 (else 4096, the default), '+padN' (e.g. +pad256)
+    trainer_engine.micro_batch_pad_tokens N (else --pad-tokens)."""
     mp, *flags = variant.split("+")
-    if set(flags) - {"compile", "loglinear", "nokeep", "chunk8k"}:
-        raise SystemExit(f"--paths: unknown flag in {variant!r} (compile, loglinear, nokeep, chunk8k)")
+    pads = [int(f[3:]) for f in flags if f.startswith("pad") and f[3:].isdigit()]
+    if set(flags) - {"compile", "loglinear", "nokeep", "chunk8k"} - {f"pad{n}" for n in pads} or len(pads) > 1:
+        raise SystemExit(f"--paths: unknown flag in {variant!r} (compile, loglinear, nokeep, chunk8k, padN)")
     prox = "loglinear" if "loglinear" in flags else "recompute"
     return SimpleNamespace(
         trainer_engine=SimpleNamespace(kl_coef=0.0, ppo_epochs=1, eps_clip=0.2, eps_clip_high=None,
@@ -163,7 +165,8 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
                                        adv_leave_one_out=False, attn_implementation=args.attn,
                                        micro_batch_tokens=args.micro_tokens,
                                        logit_chunk_tokens=8192 if "chunk8k" in flags else 4096,
-                                       micro_batch_pad_tokens=args.pad_tokens, prox_logp_method=prox,
+                                       micro_batch_pad_tokens=pads[0] if pads else args.pad_tokens,
+                                       prox_logp_method=prox,
                                        logit_grad_keep_gib=0 if "nokeep" in flags else None,
                                        gradient_checkpointing=args.checkpointing, mixed_precision=mp or "compute_copy",
                                        compile="compile" in flags, eval_interval=0),
@@ -310,7 +313,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="0.5b,1.5b", help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--paths", default="baseline,old,engine:autocast,engine:compute_copy,engine:compute_copy+compile",
                     help="comma list: baseline (the old path re-implemented), old (the engine of --old-tree), "
-                         "engine:<compute_copy|autocast>[+compile][+loglinear][+nokeep][+chunk8k] (today's engine and its knobs); the first that "
+                         "engine:<compute_copy|autocast>[+compile][+loglinear][+nokeep][+chunk8k][+padN] (today's engine and its knobs); the first that "
                          "runs is the base of the last column")
     ap.add_argument("--old-tree", default=None, help="a folder holding the old areal_bus/ (for the path 'old')")
     ap.add_argument("--device", default="cuda")

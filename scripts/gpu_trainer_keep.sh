@@ -7,14 +7,14 @@
 #     bash scripts/gpu_trainer_keep.sh
 # Knobs (environment): OUT (gpu_logs), PYTEST (1: the CUDA tests of tests/test_train_model.py first),
 # ATTN (1: bench/attn_varlen.py), RUNS ("0.5b:16384 0.5b:32768 1.5b:16384"), PATHS (per run),
-# EXTRA (more bench/trainer.py runs as "shape:micro:paths", space-separated), OLD (a tree for old:
+# EXTRA (more bench/trainer.py runs as "shape:micro:paths", space-separated), WARMUP (2), STEPS (3), OLD (a tree for old:
 # paths, e.g. .base from `git archive <rev> areal_bus bench`, carried).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-B="--warmup 2 --steps 3${OLD:+ --old-tree $OLD}"
+B="--warmup ${WARMUP:-2} --steps ${STEPS:-3}${OLD:+ --old-tree $OLD}"
 P=${PATHS:-engine:compute_copy+compile+nokeep,engine:compute_copy+compile}
 {
     if [ "${PYTEST:-1}" = 1 ]; then  # the trainer policy's CUDA tests (no conftest on this host)

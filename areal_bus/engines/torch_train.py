@@ -40,8 +40,8 @@ import torch
 from areal_bus.loss import decoupled_ppo_loss, grpo_advantages, kl_penalty, loglinear_proximal, masked_mean
 from areal_bus.messages import Trajectory
 from areal_bus.modeling import as_dtype
-from areal_bus.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, load_policy, pack_rows,
-                                   packed_logprobs, save_weights)
+from areal_bus.train_model import (ComputeCopy, Packed, PackedLM, autocast, export_state_dict, load_policy,
+                                   pack_rows, packed_logprobs, save_weights)
 
 # Names of the update's phases in a torch profile (bench/trainer.py --trace, bench/trace_summary.py): a few
 # host-side markers per update, a microsecond each while no profiler runs.
@@ -193,18 +193,23 @@ class TorchTrainEngine:
         ahead launching the next micro-batch's kernels while the last one computes, instead of the two
         taking turns."""
         t0 = time.perf_counter()
-        with phase("update.pack"):
-            plans, ent_tokens = self._plans(data)
+        plans, ent_tokens = self._plans(data)
         zero = lambda: torch.zeros((), device=self.device)
         ent_sum = zero()
-        prox: list[list] = []  # per mini-batch and micro-batch: (proximal logprobs, reference logprobs)
+        # per mini-batch and micro-batch: (proximal logprobs, reference logprobs); None: a mini-batch with
+        # no proximal pass (its training forward makes them), not packed until it trains
+        prox: list[list | None] = []
+        recompute = lambda i: self.recompute_proximal and (i > 0 or not self.forward_is_proximal)
         with torch.no_grad(), phase("update.proximal"):  # proximal policy: the weights before this update
             self.run.eval()
-            for i, plan in enumerate(plans):
+            for i in range(len(plans)):
+                if self.ref is None and not recompute(i):
+                    prox.append(None)
+                    continue
                 prox.append([])
-                for p, share in plan:
+                for p, share in plans[i]:
                     lp = None  # made by the training forward: the first mini-batch's, or interpolated
-                    if self.recompute_proximal and (i > 0 or not self.forward_is_proximal):
+                    if recompute(i):
                         with self._compute():
                             lp, ent = packed_logprobs(self.run, p, self.temperature,
                                                       chunk=self.cfg.logit_chunk_tokens, entropy=True)
@@ -220,7 +225,10 @@ class TorchTrainEngine:
         acc: dict[str, torch.Tensor] = {}  # summed over optimizer steps, on the device
         steps = 0
         for _ in range(self.cfg.ppo_epochs):
-            for i, (plan, prox_mb) in enumerate(zip(plans, prox)):
+            for i, plan in enumerate(plans):
+                if prox[i] is None:
+                    prox[i] = [(None, None)] * len(plan)
+                prox_mb = prox[i]
                 self.opt.zero_grad(set_to_none=False)
                 loss_sum = zero()
                 mb_stats: dict[str, torch.Tensor] = {}
@@ -269,14 +277,21 @@ class TorchTrainEngine:
         out["compute_s"] = time.perf_counter() - t0
         return out
 
-    def _plans(self, data: dict[str, torch.Tensor]) -> tuple[list[list], float]:
+    def _plans(self, data: dict[str, torch.Tensor]) -> tuple[_Plans, float]:
         """Per mini-batch, this rank's micro-batches on the device, each with its share of the mini-batch's
-        tokens; and how many loss tokens this rank's entropy is averaged over."""
+        tokens (packed when first asked for: ``_Plans``); and how many loss tokens this rank's entropy is
+        averaged over."""
         rank, world = self._data_shard()
         B = data["ids"].shape[0]
-        plans = []
         ent_tokens = 0.0
         for start in range(0, B, self.mini_batch):
+            rows = torch.arange(start, min(B, start + self.mini_batch))[rank::world]
+            ent_tokens += float(data["mask"][rows].sum()) if len(rows) else 0.0
+        return _Plans(lambda start: self._plan(data, start, rank, world), range(0, B, self.mini_batch)), ent_tokens
+
+    def _plan(self, data: dict[str, torch.Tensor], start: int, rank: int, world: int) -> list[tuple[Packed, float]]:
+        with phase("update.pack"):
+            B = data["ids"].shape[0]
             mb = torch.arange(start, min(B, start + self.mini_batch))
             rows = mb[rank::world]
             # A rank without rows of its own still runs every forward and backward, on a stand-in row
@@ -286,10 +301,7 @@ class TorchTrainEngine:
             packs = pack_rows(data, rows if len(rows) else mb[:1], self.micro_tokens if world == 1 else 1 << 62,
                               self.pad_to, loss_only=True)
             total = float(data["mask"][mb].sum().clamp(min=1))
-            plans.append([(p.to(self.device), float(p.mask.sum()) / total if len(rows) else 0.0) for p in packs])
-            if len(rows):
-                ent_tokens += sum(float(p.mask.sum()) for p in packs)
-        return plans, ent_tokens
+            return [(p.to(self.device), float(p.mask.sum()) / total if len(rows) else 0.0) for p in packs]
 
     # -- weights out ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -374,6 +386,28 @@ def load_optimizer_keeping_options(opt: torch.optim.Optimizer, state: dict) -> N
                 st = opt.state.get(p)
                 if st and "step" in st:
                     st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).to(p.device)
+
+
+class _Plans:
+    """An update's mini-batches, packed (on the host) and queued for the device when first asked for,
+    then kept: the device starts on the first proximal forward while the host packs the next
+    mini-batch, where packing all of them first left it idle (~1% of an update at the Qwen2-0.5B shape
+    on an H200, bench/RESULTS.md); a mini-batch with no proximal pass is packed when it trains."""
+
+    def __init__(self, make, starts: range):
+        self._make, self._starts = make, starts
+        self._done: dict[int, list] = {}
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, i: int) -> list:
+        if i not in self._done:
+            self._done[i] = self._make(self._starts[i])
+        return self._done[i]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
 def dropout_free(model) -> bool:
