@@ -409,12 +409,10 @@ def test_compiled_layers_fuse_the_projections_and_keep_the_update(kind, tmp_path
     compile_layers(compiled)
     (packed,) = pack(_samples(np.random.default_rng(10), [17, 30, 11]), max_tokens=64, loss_only=True)
     grads = []
-    # compiled here, not taken from inductor's caches (filled by an earlier run), so the pass is seen running
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        for policy in (eager, compiled):
-            lp, _ = packed_logprobs(policy, packed, temperature=0.9)
-            (lp * packed.mask * packed.adv).sum().backward()
-            grads.append((lp.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}))
+    for policy in (eager, compiled):
+        lp, _ = packed_logprobs(policy, packed, temperature=0.9)
+        (lp * packed.mask * packed.adv).sum().backward()
+        grads.append((lp.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}))
     assert sum(fused) >= 2  # the attention's q/k/v and the MLP's gate/up
     torch.testing.assert_close(grads[1][0], grads[0][0], atol=1e-5, rtol=1e-5)
     for name, g in grads[0][1].items():
