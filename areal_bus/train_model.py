@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-import operator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,83 +233,6 @@ def save_weights(config, state_dict: dict[str, torch.Tensor], folder: str | Path
     tensors = export_state_dict(state_dict, config, torch.float32)
     save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
-
-
-# -- compiled layers ---------------------------------------------------------------------------
-_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
-
-
-def fuse_shared_input_linears(graph: torch.fx.Graph) -> int:
-    """A ``torch.compile`` pre-grad pass (inductor's ``pre_grad_custom_pass``): linear layers that read
-    the same input, with weights (and biases) that are graph inputs, become one linear over the
-    concatenated weights whose output is split: an attention block's q, k and v projections, an MLP's
-    gate and up. Architecture-blind (it sees the traced graph, not transformers' module classes). The
-    backward then makes one input gradient and one weight gradient matmul instead of one per
-    projection (and no adds of the input gradients); at the Qwen2 shapes the k and v projections
-    (128 outputs) are too narrow to run a GPU at its rate alone. The cost is a copy of the group's
-    weights per forward (~20 MB per layer at Qwen2-0.5B). Inductor's own ``batch_linear_lhs`` does this
-    for 2-D inputs only; transformers' layers see [batch, tokens, hidden]. Returns the groups fused."""
-    groups: dict[tuple, list[torch.fx.Node]] = {}
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target not in _LINEAR:
-            continue
-        args = list(node.args) + [None] * (3 - len(node.args))
-        x, w, b = args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
-        inputs = [w] + ([] if b is None else [b])
-        value = node.meta.get("example_value")
-        if not all(isinstance(t, torch.fx.Node) and t.op in ("placeholder", "get_attr") for t in inputs) \
-                or not isinstance(value, torch.Tensor) or not isinstance(value.shape[-1], int):
-            continue
-        groups.setdefault((x, b is None), []).append(node)
-    fused = 0
-    for (x, no_bias), nodes in groups.items():
-        if len(nodes) < 2 or not isinstance(x, torch.fx.Node) or "example_value" not in x.meta:
-            continue
-        weights = [n.kwargs.get("weight", n.args[1] if len(n.args) > 1 else None) for n in nodes]
-        biases = [] if no_bias else [n.kwargs.get("bias", n.args[2] if len(n.args) > 2 else None) for n in nodes]
-        sizes = [int(n.meta["example_value"].shape[-1]) for n in nodes]
-        with graph.inserting_before(nodes[0]):
-            w = graph.call_function(torch.cat, (weights,), {"dim": 0})
-            w.meta["example_value"] = torch.cat([t.meta["example_value"] for t in weights], 0)
-            b = None
-            if biases:
-                b = graph.call_function(torch.cat, (biases,), {"dim": 0})
-                b.meta["example_value"] = torch.cat([t.meta["example_value"] for t in biases], 0)
-            y = graph.call_function(torch._C._nn.linear, (x, w, b))
-            y.meta["example_value"] = torch._C._nn.linear(x.meta["example_value"], w.meta["example_value"],
-                                                          None if b is None else b.meta["example_value"])
-            parts = graph.call_function(torch.split, (y, sizes), {"dim": -1})
-            parts.meta["example_value"] = torch.split(y.meta["example_value"], sizes, dim=-1)
-        for i, n in enumerate(nodes):
-            with graph.inserting_after(parts):
-                part = graph.call_function(operator.getitem, (parts, i))
-            part.meta.update(n.meta)
-            n.replace_all_uses_with(part)
-            graph.erase_node(n)
-        fused += 1
-    return fused
-
-
-def _projection_pass():
-    """``fuse_shared_input_linears`` as inductor's ``CustomGraphPass`` where this torch has it: its
-    ``uuid`` (this file's hash) lets compiled layers come from inductor's cache; a plain function
-    bypasses the cache."""
-    try:
-        from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-    except ImportError:  # pragma: no cover - older torch
-        return fuse_shared_input_linears
-
-    class FuseSharedInputLinears(CustomGraphPass):
-        def __call__(self, graph: torch.fx.Graph) -> None:
-            fuse_shared_input_linears(graph)
-
-        def uuid(self):
-            return get_hash_for_files((__file__,))
-
-    return FuseSharedInputLinears()
-
-
-FUSE_PROJECTIONS = _projection_pass()
 
 
 # -- packing ----------------------------------------------------------------------------------

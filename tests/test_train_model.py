@@ -391,29 +391,3 @@ def test_train_flops_count_the_head_on_the_tokens_it_runs_on():
     assert train_flops(1000, 2, 8, 100, 5000, proximal=(60, 3000), head=(300, 100, 60)) == base
     fewer = train_flops(1000, 2, 8, 100, 5000, proximal=(60, 3000), head=(300, 90, 50))
     assert base - fewer == 6 * 300 * 10 + 2 * 300 * 10
-
-
-@pytest.mark.parametrize("kind", ["qwen2", "llama3"])
-def test_compiled_layers_fuse_the_projections_and_keep_the_update(kind, tmp_path, monkeypatch):
-    """trainer_engine.compile: each decoder layer compiled with the pre-grad pass that makes q/k/v (with
-    their biases in Qwen2) and gate/up one matmul each: the log-probabilities and every weight's gradient
-    are the eager model's."""
-    from areal_bus import train_model
-    from areal_bus.engines.torch_train import compile_layers
-
-    fused = []
-    real = train_model.fuse_shared_input_linears
-    monkeypatch.setattr(train_model, "fuse_shared_input_linears", lambda graph: fused.append(real(graph)))
-    _save_random(kind, tmp_path / "m")
-    eager, compiled = PackedLM(load_policy(tmp_path / "m")), PackedLM(load_policy(tmp_path / "m"))
-    compile_layers(compiled)
-    (packed,) = pack(_samples(np.random.default_rng(10), [17, 30, 11]), max_tokens=64, loss_only=True)
-    grads = []
-    for policy in (eager, compiled):
-        lp, _ = packed_logprobs(policy, packed, temperature=0.9)
-        (lp * packed.mask * packed.adv).sum().backward()
-        grads.append((lp.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}))
-    assert sum(fused) >= 2  # the attention's q/k/v and the MLP's gate/up
-    torch.testing.assert_close(grads[1][0], grads[0][0], atol=1e-5, rtol=1e-5)
-    for name, g in grads[0][1].items():
-        torch.testing.assert_close(grads[1][1][name], g, atol=1e-5, rtol=1e-4, msg=name)

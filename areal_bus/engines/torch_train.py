@@ -40,8 +40,8 @@ import torch
 from areal_bus.loss import decoupled_ppo_loss, grpo_advantages, kl_penalty, loglinear_proximal, masked_mean
 from areal_bus.messages import Trajectory
 from areal_bus.modeling import as_dtype
-from areal_bus.train_model import (FUSE_PROJECTIONS, ComputeCopy, Packed, PackedLM, autocast, export_state_dict,
-                                   load_policy, pack_rows, packed_logprobs, save_weights)
+from areal_bus.train_model import (ComputeCopy, Packed, PackedLM, autocast, export_state_dict, load_policy,
+                                   pack_rows, packed_logprobs, save_weights)
 
 # Names of the update's phases in a torch profile (bench/trainer.py --trace, bench/trace_summary.py): a few
 # host-side markers per update, a microsecond each while no profiler runs.
@@ -434,15 +434,9 @@ def logit_grad_keep_gib(configured: float | None, device: torch.device) -> float
 def compile_layers(policy: PackedLM) -> None:
     """``torch.compile`` each decoder layer (dynamic shapes: packed micro-batches differ in length), so
     the norms, rotary embedding, activations and residual adds around the matmuls fuse into a few
-    kernels, and, in one process, the projections that read the same input become one matmul
-    (``train_model.fuse_shared_input_linears``; not on sharded weights: a tensor-parallel layout's
-    q/k/v are split by output features, and a concatenation would gather them). The first update
-    pays the compilation (8 s at 0.5B and at 1.5B on an H200, bench/RESULTS.md)."""
-    from torch.distributed.tensor import DTensor
-
+    kernels. The first update pays the compilation (8 s at 0.5B and at 1.5B on an H200, bench/RESULTS.md)."""
     for layer in getattr(policy.lm, policy.lm.base_model_prefix).layers:
-        sharded = any(isinstance(p, DTensor) for p in layer.parameters())
-        layer.compile(dynamic=True, options={} if sharded else {"pre_grad_custom_pass": FUSE_PROJECTIONS})
+        layer.compile(dynamic=True)
 
 
 class HeldOutEvaluator:
