@@ -16,7 +16,8 @@ Workloads (``--workload``):
             from a lognormal (``--median 500 --sigma 0.8``, clipped ``--min-len 200 --max-len 3000``),
             eos ignored, so the lengths are real generated tokens.
 
-Runs (``--runs``, each ``MODE[:STALENESS[:DROP]]``, e.g. ``async:2:true async:2:false async:4 sync``;
+Runs (``--runs``, each ``MODE[:STALENESS[:DROP[:LEAD]]]``, e.g. ``async:2:true async:2:false async:4 sync``,
+``async:2:true:adaptive`` for staleness.lead adaptive;
 default: every --modes x --staleness x --drop-at-consume, sync once; sync runs first): DROP is
 ``staleness.drop_at_consume`` (README: Knobs); a synchronous run has neither. Every async run's ratio
 is over the sync run of the same invocation. Samples/s and tokens/s (generated tokens) count what the
@@ -93,16 +94,19 @@ class Run:
     mode: str  # async | sync
     staleness: int
     drop: bool
+    lead: str = "bound"  # staleness.lead: bound | adaptive
 
     @property
     def name(self) -> str:
-        return "sync" if self.mode == "sync" else f"async_s{self.staleness}_{'drop' if self.drop else 'keep'}"
+        lead = "" if self.lead == "bound" else f"_{self.lead}"
+        return "sync" if self.mode == "sync" else f"async_s{self.staleness}_{'drop' if self.drop else 'keep'}{lead}"
 
     @property
     def label(self) -> str:
         if self.mode == "sync":
             return "sync"
-        return f"async s{self.staleness} {'drop' if self.drop else 'keep'}"
+        lead = "" if self.lead == "bound" else f" {self.lead}"
+        return f"async s{self.staleness} {'drop' if self.drop else 'keep'}{lead}"
 
 
 def parse_runs(args) -> list[Run]:
@@ -115,10 +119,12 @@ def parse_runs(args) -> list[Run]:
         runs = []
         for spec in args.runs:
             parts = spec.split(":")
-            if parts[0] not in ("async", "sync") or len(parts) > 3:
-                raise SystemExit(f"--runs {spec!r}: MODE[:STALENESS[:DROP]] with MODE async or sync")
+            if parts[0] not in ("async", "sync") or len(parts) > 4 or (len(parts) > 3 and parts[3] not in ("bound", "adaptive")):
+                raise SystemExit(f"--runs {spec!r}: MODE[:STALENESS[:DROP[:LEAD]]] with MODE async or sync, "
+                                 f"LEAD bound or adaptive")
             staleness = int(parts[1]) if len(parts) > 1 else args.staleness[0]
-            runs.append(Run(parts[0], staleness, flag(parts[2]) if len(parts) > 2 else True))
+            runs.append(Run(parts[0], staleness, flag(parts[2]) if len(parts) > 2 else True,
+                            parts[3] if len(parts) > 3 else "bound"))
         return runs
     runs = [Run("async", s, flag(d)) for s in args.staleness for d in args.drop_at_consume] if "async" in args.modes else []
     return runs + ([Run("sync", 0, True)] if "sync" in args.modes else [])
@@ -134,7 +140,7 @@ def topology(model: Path, run: Run, args) -> dict:
     topo = yaml.safe_load((ROOT / "topology" / "default.yaml").read_text())
     topo.update(
         name=f"e2e-{run.name}", rollout_workers=1, max_steps=args.steps, staleness_threshold=run.staleness,
-        staleness={"drop_at_consume": run.drop},
+        staleness={"drop_at_consume": run.drop, "lead": run.lead},
         queue_max_size=4 * args.batch, trigger_batch_size=args.trigger or args.batch // 2, global_batch_size=args.batch,
         mini_batch_size=args.batch // 2, logging={"log_dir": "logs", "log_interval": 5, "save_interval": 0},
         model={"path": str(model), "dtype": args.dtype, "device": args.device, "trainer_device": args.trainer_device,
@@ -247,7 +253,7 @@ def main() -> int:
     ap.add_argument("--staleness", type=int, nargs="+", default=[2], help="staleness_threshold(s) of the async runs")
     ap.add_argument("--drop-at-consume", nargs="+", default=["true"], help="staleness.drop_at_consume: true, false or both")
     ap.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
-    ap.add_argument("--runs", nargs="+", default=None, help="MODE[:STALENESS[:DROP]] ... (overrides the three above)")
+    ap.add_argument("--runs", nargs="+", default=None, help="MODE[:STALENESS[:DROP[:LEAD]]] ... (overrides the three above)")
     ap.add_argument("--rollout-batch", type=int, default=256, help="the rollout engine's max_batch")
     ap.add_argument("--agents", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=8, help="GRPO group (samples per prompt)")
