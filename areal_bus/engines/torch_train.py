@@ -391,8 +391,9 @@ def load_optimizer_keeping_options(opt: torch.optim.Optimizer, state: dict) -> N
 class _Plans:
     """An update's mini-batches, packed (on the host) and queued for the device when first asked for,
     then kept: the device starts on the first proximal forward while the host packs the next
-    mini-batch, where packing all of them first left it idle (~1% of an update at the Qwen2-0.5B shape
-    on an H200, bench/RESULTS.md); a mini-batch with no proximal pass is packed when it trains."""
+    mini-batch, where packing all of them first left it idle throughout (+1% at the Qwen2-0.5B shape on
+    an H200, within one call's noise: bench/RESULTS.md); a mini-batch with no proximal pass is packed
+    when it trains."""
 
     def __init__(self, make, starts: range):
         self._make, self._starts = make, starts
