@@ -360,7 +360,7 @@ def _packed(fields: dict[str, torch.Tensor], idx: list[int], sizes: list[int], p
     if loss_only:
         head = torch.nonzero((mask != 0) & (positions != 0)).flatten()
         granule = min(max(1, pad_to), HEAD_PAD_ROWS)
-        extra = -head.numel() % granule or (granule if head.numel() == 0 else 0)  # one row at least
+        extra = -head.numel() % granule if head.numel() else granule  # one row at least
         head = torch.cat([head, total + torch.arange(extra)])  # sentinels: computed, then dropped
     return Packed(field("ids", torch.long)[None], positions[None], mask,
                   field("behav", torch.float32), field("adv", torch.float32),

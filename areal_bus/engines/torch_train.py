@@ -283,16 +283,13 @@ class TorchTrainEngine:
         averaged over."""
         rank, world = self._data_shard()
         B = data["ids"].shape[0]
-        ent_tokens = 0.0
-        for start in range(0, B, self.mini_batch):
-            rows = torch.arange(start, min(B, start + self.mini_batch))[rank::world]
-            ent_tokens += float(data["mask"][rows].sum()) if len(rows) else 0.0
-        return _Plans(lambda start: self._plan(data, start, rank, world), range(0, B, self.mini_batch)), ent_tokens
+        batches = [torch.arange(start, min(B, start + self.mini_batch)) for start in range(0, B, self.mini_batch)]
+        ent_tokens = sum(float(data["mask"][mb[rank::world]].sum()) for mb in batches)
+        return _Plans(lambda k: self._plan(data, batches[k], rank, world), len(batches)), ent_tokens
 
-    def _plan(self, data: dict[str, torch.Tensor], start: int, rank: int, world: int) -> list[tuple[Packed, float]]:
+    def _plan(self, data: dict[str, torch.Tensor], mb: torch.Tensor, rank: int,
+              world: int) -> list[tuple[Packed, float]]:
         with phase("update.pack"):
-            B = data["ids"].shape[0]
-            mb = torch.arange(start, min(B, start + self.mini_batch))
             rows = mb[rank::world]
             # A rank without rows of its own still runs every forward and backward, on a stand-in row
             # weighted 0: sharded weights (FSDP, tensor parallel) are gathered inside them by all ranks.
@@ -395,16 +392,16 @@ class _Plans:
     an H200, within one call's noise: bench/RESULTS.md); a mini-batch with no proximal pass is packed
     when it trains."""
 
-    def __init__(self, make, starts: range):
-        self._make, self._starts = make, starts
+    def __init__(self, make, count: int):
+        self._make, self._count = make, count
         self._done: dict[int, list] = {}
 
     def __len__(self) -> int:
-        return len(self._starts)
+        return self._count
 
     def __getitem__(self, i: int) -> list:
         if i not in self._done:
-            self._done[i] = self._make(self._starts[i])
+            self._done[i] = self._make(i)
         return self._done[i]
 
     def __iter__(self):
