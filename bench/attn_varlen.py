@@ -57,7 +57,114 @@ def fa2_gqa(q, k, v, cu, longest, scale):
     return _varlen(q, k, v, cu, longest, scale, **extra)
 
 
-BACKENDS = (("repeat", fa2_repeat), ("gqa", fa2_gqa))
+class _CudnnRagged(torch.autograd.Function):
+    """cuDNN's ragged (THD) attention through the aten ops torch's nested-tensor SDPA calls: q [N, Hq, D],
+    k/v [N, Hkv, D], the samples' cumulative lengths."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, longest, scale):
+        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
+            q, k, v, None, cu, cu, longest, longest, True, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu)
+        ctx.longest, ctx.scale = longest, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, out, lse, seed, offset, cu = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
+            g.contiguous(), q, k, v, out, lse, seed, offset, torch.empty(0, device=q.device), cu, cu,
+            ctx.longest, ctx.longest, 0.0, True, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def cudnn_ragged(q, k, v, cu, longest, scale):
+    return _CudnnRagged.apply(q, k, v, cu, longest, scale)
+
+
+def cudnn_ragged_repeat(q, k, v, cu, longest, scale):
+    rep = q.shape[1] // k.shape[1]
+    return cudnn_ragged(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), cu, longest, scale)
+
+
+def buckets(sizes: list[int], count: int = 4) -> list[list[int]]:
+    """The samples (indices) in at most ``count`` groups of similar length, each to be padded to its
+    longest: the grouping of the length-sorted samples with the least padded attention (sum of groups'
+    size x longest^2), by dynamic programming."""
+    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    ls = [sizes[i] for i in order]
+    n = len(ls)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(count + 1)]
+    cut = [[0] * (n + 1) for _ in range(count + 1)]
+    best[0][0] = 0
+    for g in range(1, count + 1):
+        for j in range(1, n + 1):
+            for i in range(j):
+                c = best[g - 1][i] + (j - i) * ls[j - 1] ** 2
+                if c < best[g][j]:
+                    best[g][j], cut[g][j] = c, i
+    g = min(range(1, count + 1), key=lambda g: best[g][n])
+    out, j = [], n
+    while j > 0:
+        i = cut[g][j]
+        out.append(order[i:j])
+        j, g = i, g - 1
+    return out[::-1]
+
+
+_PLANS: dict = {}
+
+
+def _bucketed(kernel):
+    """Attention over length groups padded to their longest ([b, H, L, D] dense SDPA with the chosen
+    kernel), gathered from and scattered back to the packed rows. Right padding under causal masking is
+    exact for the real rows."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def fn(q, k, v, cu, longest, scale):
+        _cache = _PLANS
+        key = (cu.data_ptr(), int(cu.numel()))
+        if key not in _cache:
+            c = cu.tolist()
+            sizes = [b - a for a, b in zip(c[:-1], c[1:])]
+            plan = []
+            for grp in buckets(sizes):
+                L = max(sizes[i] for i in grp)
+                idx = torch.tensor([[c[i] + min(t, sizes[i] - 1) for t in range(L)] for i in grp], device=q.device)
+                real = torch.tensor([[t < sizes[i] for t in range(L)] for i in grp], device=q.device)
+                plan.append((idx, real, idx[real]))
+            _cache.clear()
+            _cache[key] = plan
+        out = q.new_empty(q.shape)
+        with sdpa_kernel([kernel]):
+            for idx, real, dest in _cache[key]:
+                qb, kb, vb = (t[idx].transpose(1, 2) for t in (q, k, v))  # [b, H, L, D]
+                if kernel == SDPBackend.CUDNN_ATTENTION:
+                    rep = qb.shape[1] // kb.shape[1]
+                    kb, vb = kb.repeat_interleave(rep, 1), vb.repeat_interleave(rep, 1)
+                    ob = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+                else:
+                    ob = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
+                                                                          enable_gqa=True)
+                out = out.index_put((dest,), ob.transpose(1, 2)[real])
+        return out
+
+    return fn
+
+
+def cudnn_bucket(q, k, v, cu, longest, scale):
+    from torch.nn.attention import SDPBackend
+    return _bucketed(SDPBackend.CUDNN_ATTENTION)(q, k, v, cu, longest, scale)
+
+
+def flash_bucket(q, k, v, cu, longest, scale):
+    from torch.nn.attention import SDPBackend
+    return _bucketed(SDPBackend.FLASH_ATTENTION)(q, k, v, cu, longest, scale)
+
+
+BACKENDS = (("repeat", fa2_repeat), ("gqa", fa2_gqa), ("cudnn", cudnn_ragged), ("cudnn_r", cudnn_ragged_repeat),
+            ("cudnn_b", cudnn_bucket), ("flash_b", flash_bucket))
 
 
 def reference(q, k, v, sizes, scale):
