@@ -91,28 +91,43 @@ def _varlen_attention(module, query, key, value, attention_mask, scaling=None, d
 
 
 def _cuda_varlen(q, k, v, cu, longest: int, scaling):
-    import inspect
-
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
-    # FlashAttention-2 takes fewer key/value heads than query heads itself; torch's wrapper asks for
-    # enable_gqa where it has the flag (2.13) and passes them through where it has not (2.11: the same
-    # results as repeating them to the query's count, 25% less attention time at the Qwen2-0.5B shape on
-    # an H200 without the copies and their backward sums, bench/attn_varlen.py in bench/RESULTS.md).
-    extra = {"enable_gqa": True} if "enable_gqa" in params else {}
-    extra.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
     # FlashAttention takes bf16/fp16 only; under autocast RoPE hands q and k back in float32.
     half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
     q, k, v = (t.to(half) for t in (q, k, v))
     cu = cu.to(torch.int32)
-    return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **extra)
+    return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **_varlen_options())
+
+
+_VARLEN_OPTIONS: dict = {}
+
+
+def _varlen_options() -> dict:
+    """The keywords this torch's ``varlen_attn`` takes for causal attention with the key/value heads as
+    they are, read from its signature once, outside any compiled code (a compiled layer traces through
+    a dict read, not through ``inspect``). FlashAttention-2 takes fewer key/value heads than query heads
+    itself; torch's wrapper asks for enable_gqa where it has the flag (2.13) and passes them through
+    where it has not (2.11: the same results as repeating them to the query's count, 25% less attention
+    time at the Qwen2-0.5B shape on an H200 without the copies and their backward sums,
+    bench/attn_varlen.py in bench/RESULTS.md)."""
+    if not _VARLEN_OPTIONS:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+
+        params = inspect.signature(varlen_attn).parameters
+        _VARLEN_OPTIONS.update({"enable_gqa": True} if "enable_gqa" in params else {})
+        _VARLEN_OPTIONS.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+    return _VARLEN_OPTIONS
 
 
 def _register_varlen() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(VARLEN, _varlen_attention)
+    with contextlib.suppress(ImportError):  # a torch without it has no CUDA varlen path to call
+        _varlen_options()
 
 
 def load_policy(path: str | Path, device: str | torch.device = "cpu", *, attn_implementation: str = VARLEN,

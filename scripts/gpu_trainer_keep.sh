@@ -7,7 +7,7 @@
 #     bash scripts/gpu_trainer_keep.sh
 # Knobs (environment): OUT (gpu_logs), PYTEST (1: the CUDA tests of tests/test_train_model.py first),
 # ATTN (1: bench/attn_varlen.py), RUNS ("0.5b:16384 0.5b:32768 1.5b:16384"), PATHS (per run),
-# EXTRA (more bench/trainer.py runs as "shape:micro:paths", space-separated), WARMUP (2), STEPS (3), OLD (a tree for old:
+# (each compiled path also prints its graph breaks and recompilations) EXTRA (more bench/trainer.py runs as "shape:micro:paths", space-separated), WARMUP (2), STEPS (3), OLD (a tree for old:
 # paths, e.g. .base from `git archive <rev> areal_bus bench`, carried).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,12 +26,12 @@ P=${PATHS:-engine:compute_copy+compile+nokeep,engine:compute_copy+compile}
     for run in ${RUNS:-0.5b:16384 0.5b:32768 1.5b:16384}; do
         echo "# ${run%%:*}, micro-batches of ${run#*:} tokens"
         timeout 240 python3 bench/trainer.py $B --shapes "${run%%:*}" --micro-tokens "${run#*:}" --paths "$P" 2>&1 \
-            | grep -E "^# bench|^[0-9.]+b |RESULT|rror"
+            | grep -E "^# bench|^[0-9.]+b |RESULT|rror|graph breaks"
     done
     for run in ${EXTRA:-}; do
         IFS=: read -r shape micro paths <<< "$run"
         echo "# $shape, micro-batches of $micro tokens: $paths"
         timeout 240 python3 bench/trainer.py $B --shapes "$shape" --micro-tokens "$micro" --paths "$paths" 2>&1 \
-            | grep -E "^# bench|^[0-9.]+b |RESULT|rror"
+            | grep -E "^# bench|^[0-9.]+b |RESULT|rror|graph breaks"
     done
 } 2>&1 | tee "$OUT/trainer_keep.log"
