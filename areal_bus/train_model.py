@@ -315,11 +315,29 @@ def pack(samples: list[dict], max_tokens: int, pad_to: int = 1, loss_only: bool 
 
 
 def _groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Consecutive samples, at most ``max_tokens`` tokens a group (a longer sample alone)."""
+    """Consecutive samples in as few groups of at most ``max_tokens`` tokens as fit them (a longer
+    sample alone), balanced: the groups' largest is as small as that count allows. A mini-batch just
+    over the cap makes two halves, not a full micro-batch and a sliver: on a GPU each micro-batch costs
+    its launches, which a sliver's few tokens cannot hide (bench/RESULTS.md)."""
+    groups = _fill(lengths, max_tokens)
+    if len(groups) <= 1:
+        return groups
+    lo, hi = max(1, -(-sum(lengths) // max(1, len(groups)))), max_tokens
+    while lo < hi:  # the smallest cap that still needs no more groups
+        mid = (lo + hi) // 2
+        if len(_fill(lengths, mid)) <= len(groups):
+            hi = mid
+        else:
+            lo = mid + 1
+    return _fill(lengths, hi) if hi < max_tokens else groups
+
+
+def _fill(lengths: list[int], cap: int) -> list[list[int]]:
+    """Consecutive samples, each group filled up to ``cap`` tokens (a longer sample alone)."""
     groups: list[list[int]] = []
     used = 0
     for i, n in enumerate(lengths):
-        if not groups or used + n > max_tokens:
+        if not groups or used + n > cap:
             groups.append([])
             used = 0
         groups[-1].append(i)

@@ -100,6 +100,24 @@ def test_packing_caps_micro_batches_and_keeps_order():
     assert first.positions[0, :31].tolist() == list(range(30)) + [0]  # positions restart per sample
 
 
+def test_packing_balances_micro_batches_without_adding_any():
+    """A mini-batch just over the cap makes two halves (not a full micro-batch and a sliver), in as many
+    micro-batches as filling each to the cap makes, none over the cap, the samples in order."""
+    from areal_bus.train_model import _fill, _groups
+
+    assert [p.tokens for p in pack(_samples(np.random.default_rng(2), [20, 20, 20, 10]), max_tokens=64)] == [40, 30]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        lengths = [int(n) for n in np.clip(rng.lognormal(np.log(500), 0.8, rng.integers(1, 40)), 200, 3000)]
+        cap = int(rng.integers(200, 20000))
+        groups, filled = _groups(lengths, cap), _fill(lengths, cap)
+        assert [i for g in groups for i in g] == list(range(len(lengths)))
+        assert len(groups) == len(filled)
+        sizes = [sum(lengths[i] for i in g) for g in groups]
+        assert all(s <= cap or len(g) == 1 for s, g in zip(sizes, groups))
+        assert max(sizes) <= max(sum(lengths[i] for i in g) for g in filled)
+
+
 def test_chunked_logprobs_equal_whole_logits_and_their_gradients(tmp_path):
     _save_random("qwen2", tmp_path / "m")
     model = load_policy(tmp_path / "m")
