@@ -108,7 +108,7 @@ class TorchTrainEngine:
         self.copy = ComputeCopy(self.policy, self.dtype) if self._use_compute_copy() else None
         self.run = self.copy.module if self.copy is not None else self.policy
         if cfg.compile:
-            compile_layers(self.run, getattr(cfg, "compile_scope", "layers"))
+            compile_layers(self.run)
         # Ids at or past it index outside the embedding (on a GPU a device-side assert that ends the
         # process): the trainer refuses such trajectories before accepting them.
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
@@ -200,14 +200,9 @@ class TorchTrainEngine:
         # no proximal pass (its training forward makes them), not packed until it trains
         prox: list[list | None] = []
         recompute = lambda i: self.recompute_proximal and (i > 0 or not self.forward_is_proximal)
-        joint = None
-        if getattr(self.cfg, "prox_joint", False) and self.ref is None and self._data_shard()[1] == 1:
-            with torch.no_grad(), phase("update.proximal"):
-                self.run.eval()
-                joint, ent_sum = self._joint_proximal(data, [i for i in range(len(plans)) if recompute(i)])
         with torch.no_grad(), phase("update.proximal"):  # proximal policy: the weights before this update
             self.run.eval()
-            for i in range(len(plans) if joint is None else 0):
+            for i in range(len(plans)):
                 if self.ref is None and not recompute(i):
                     prox.append(None)
                     continue
@@ -231,9 +226,7 @@ class TorchTrainEngine:
         steps = 0
         for _ in range(self.cfg.ppo_epochs):
             for i, plan in enumerate(plans):
-                if joint is not None and len(prox) == i:  # the first epoch
-                    prox.append(joint(i, plan) if recompute(i) else [(None, None)] * len(plan))
-                elif prox[i] is None:
+                if prox[i] is None:
                     prox[i] = [(None, None)] * len(plan)
                 prox_mb = prox[i]
                 self.opt.zero_grad(set_to_none=False)
@@ -283,43 +276,6 @@ class TorchTrainEngine:
         out["entropy"] = values[-1] / max(1.0, ent_tokens)  # this rank's tokens (with dp, rank 0's share)
         out["compute_s"] = time.perf_counter() - t0
         return out
-
-    def _joint_proximal(self, data: dict[str, torch.Tensor], which: list[int]):
-        """The proximal pass of mini-batches ``which`` as few forwards as possible (micro-batches of up
-        to four times ``micro_batch_tokens``: without gradients a forward keeps no activations), where a
-        forward per training micro-batch left the GPU waiting on the host's launches of ~16k-token
-        micro-batches. Returns (``at(i, plan)``: mini-batch i's proximal log-probabilities laid out as its
-        training micro-batches ``plan``, padding included; the entropy's sum over the loss tokens)."""
-        B = data["ids"].shape[0]
-        batches = [torch.arange(s, min(B, s + self.mini_batch)) for s in range(0, B, self.mini_batch)]
-        lengths = data["attn"].sum(1)
-        offsets, at = {}, 0  # where each mini-batch's tokens start in the stream of the joint pass
-        for i in which:
-            offsets[i] = at
-            at += int(lengths[batches[i]].sum())
-        ent_sum = torch.zeros((), device=self.device)
-        parts = []
-        if which:
-            rows = torch.cat([batches[i] for i in which])
-            for p in pack_rows(data, rows, 4 * self.micro_tokens, self.pad_to, loss_only=True):
-                real = sum(n for _, _, n in p.rows)
-                p = p.to(self.device)
-                with self._compute():
-                    lp, ent = packed_logprobs(self.run, p, self.temperature, chunk=self.cfg.logit_chunk_tokens,
-                                              entropy=True)
-                ent_sum = ent_sum + (ent * p.mask).sum()
-                parts.append(lp[:real])
-        stream = torch.cat(parts) if parts else None
-
-        def at_(i: int, plan: list) -> list:
-            out, start = [], offsets[i]
-            for p, _share in plan:
-                real = sum(n for _, _, n in p.rows)
-                out.append((torch.nn.functional.pad(stream[start:start + real], (0, p.tokens - real)), None))
-                start += real
-            return out
-
-        return at_, ent_sum
 
     def _plans(self, data: dict[str, torch.Tensor]) -> tuple[_Plans, float]:
         """Per mini-batch, this rank's micro-batches on the device, each with its share of the mini-batch's
@@ -473,17 +429,13 @@ def logit_grad_keep_gib(configured: float | None, device: torch.device) -> float
     return 1.0
 
 
-def compile_layers(policy: PackedLM, scope: str = "layers") -> None:
+def compile_layers(policy: PackedLM) -> None:
     """``torch.compile`` each decoder layer (dynamic shapes: packed micro-batches differ in length), so
     the norms, rotary embedding, activations and residual adds around the matmuls fuse into a few
     kernels. The first update pays the compilation (8 s at 0.5B and at 1.5B on an H200, bench/RESULTS.md).
-    ``scope`` 'model': the whole decoder as one graph instead (one call into compiled code per forward
-    and per backward, not one per layer)."""
-    decoder = getattr(policy.lm, policy.lm.base_model_prefix)
-    if scope == "model":
-        decoder.compile(dynamic=True)
-        return
-    for layer in decoder.layers:
+    The whole decoder as one graph had not finished its first update after two minutes at the
+    Qwen2-0.5B shape (bench/RESULTS.md); one layer's graph serves all of them."""
+    for layer in getattr(policy.lm, policy.lm.base_model_prefix).layers:
         layer.compile(dynamic=True)
 
 
