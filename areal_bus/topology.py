@@ -224,7 +224,9 @@ class TrainerEngineConfig(_Strict):
                                      "on GPUs; 'flex_attention', 'flash_attention_2', ...).")
     micro_batch_tokens: int = Field(16384, ge=16, le=10_000_000, description="torch: tokens packed into one "
                                     "forward and backward (gradients accumulate over a mini-batch's micro-batches). "
-                                    "A longer sample gets one of its own. With parallelism.dp > 1 each rank packs "
+                                    "A longer sample gets one of its own; a mini-batch over it is split into "
+                                    "balanced micro-batches (as many as filling each to it makes). "
+                                    "With parallelism.dp > 1 each rank packs "
                                     "its share of a mini-batch into one (every rank must run as many as the others).")
     micro_batch_pad_tokens: int | None = Field(None, ge=1, le=1_000_000, description="torch: each micro-batch is "
                                                "padded to a multiple of this many tokens (a masked segment of its "
