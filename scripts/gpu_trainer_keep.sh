@@ -7,8 +7,9 @@
 #     bash scripts/gpu_trainer_keep.sh
 # Knobs (environment): OUT (gpu_logs), PYTEST (1: the CUDA tests of tests/test_train_model.py first),
 # ATTN (1: bench/attn_varlen.py), RUNS ("0.5b:16384 0.5b:32768 1.5b:16384"), PATHS (per run),
-# (each compiled path also prints its graph breaks and recompilations) EXTRA (more bench/trainer.py runs as "shape:micro:paths", space-separated), WARMUP (2), STEPS (3), OLD (a tree for old:
-# paths, e.g. .base from `git archive <rev> areal_bus bench`, carried).
+# EXTRA (more bench/trainer.py runs as "shape:micro:paths", space-separated), WARMUP (2), STEPS (3), OLD (a tree for old:
+# paths, e.g. .base from `git archive <rev> areal_bus bench`, carried). Each path's line comes with its
+# graph breaks and recompilations (torch.compile's counters).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_logs}
