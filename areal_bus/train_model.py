@@ -297,7 +297,7 @@ class Packed:
 
 def pack(samples: list[dict], max_tokens: int, pad_to: int = 1, loss_only: bool = False) -> list[Packed]:
     """Micro-batches of at most ``max_tokens`` tokens (a longer sample gets one of its own), in the
-    samples' order. Each sample is a dict of 1-D arrays (numpy or torch) as long as its tokens: ``ids``
+    samples' order: as few as fit them, balanced (``_groups``). Each sample is a dict of 1-D arrays (numpy or torch) as long as its tokens: ``ids``
     (prompt + output), ``mask`` (loss weight), ``behav`` (the sampler's logprobs), ``adv``, and
     optionally ``lag`` (0 when absent).
 
