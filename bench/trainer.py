@@ -154,12 +154,11 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
     '+loglinear' sets trainer_engine.prox_logp_method: loglinear (no proximal forward), '+nokeep'
     trainer_engine.logit_grad_keep_gib: 0 (the head's logits recomputed in backward), '+chunk8k'
     trainer_engine.logit_chunk_tokens: 8192 (else 4096, the default), '+padN' (e.g. +pad256)
-    trainer_engine.micro_batch_pad_tokens N (else --pad-tokens), '+graphs' (an experiment, with +compile) the
-    compiled layers replayed as CUDA graphs over bucketed micro-batch shapes."""
+    trainer_engine.micro_batch_pad_tokens N (else --pad-tokens)."""
     mp, *flags = variant.split("+")
     pads = [int(f[3:]) for f in flags if f.startswith("pad") and f[3:].isdigit()]
-    if set(flags) - {"compile", "loglinear", "nokeep", "chunk8k", "graphs"} - {f"pad{n}" for n in pads} or len(pads) > 1:
-        raise SystemExit(f"--paths: unknown flag in {variant!r} (compile, loglinear, nokeep, chunk8k, graphs, padN)")
+    if set(flags) - {"compile", "loglinear", "nokeep", "chunk8k"} - {f"pad{n}" for n in pads} or len(pads) > 1:
+        raise SystemExit(f"--paths: unknown flag in {variant!r} (compile, loglinear, nokeep, chunk8k, padN)")
     prox = "loglinear" if "loglinear" in flags else "recompute"
     return SimpleNamespace(
         trainer_engine=SimpleNamespace(kl_coef=0.0, ppo_epochs=1, eps_clip=0.2, eps_clip_high=None,
@@ -171,8 +170,7 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
                                        prox_logp_method=prox,
                                        logit_grad_keep_gib=0 if "nokeep" in flags else None,
                                        gradient_checkpointing=args.checkpointing, mixed_precision=mp or "compute_copy",
-                                       compile="compile" in flags, eval_interval=0,
-                                       cuda_graphs="graphs" in flags),
+                                       compile="compile" in flags, eval_interval=0),
         model=SimpleNamespace(device=str(device), dtype="bfloat16" if device.type == "cuda" else args.cpu_dtype,
                               seed=0, threads=1),
         rollout_engine=SimpleNamespace(temperature=1.0),

@@ -107,10 +107,8 @@ class TorchTrainEngine:
         # masters above and refreshes it), or the masters themselves under autocast.
         self.copy = ComputeCopy(self.policy, self.dtype) if self._use_compute_copy() else None
         self.run = self.copy.module if self.copy is not None else self.policy
-        # Experiment (bench/trainer.py '+graphs'): the compiled layers replayed as CUDA graphs over bucketed shapes.
-        self.graphs = bool(getattr(cfg, "cuda_graphs", False)) and cfg.compile and self.device.type == "cuda"
         if cfg.compile:
-            compile_layers(self.run, graphs=self.graphs)
+            compile_layers(self.run)
         # Ids at or past it index outside the embedding (on a GPU a device-side assert that ends the
         # process): the trainer refuses such trajectories before accepting them.
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
@@ -212,7 +210,6 @@ class TorchTrainEngine:
                 for p, share in plans[i]:
                     lp = None  # made by the training forward: the first mini-batch's, or interpolated
                     if recompute(i):
-                        self._step_begin()
                         with self._compute():
                             lp, ent = packed_logprobs(self.run, p, self.temperature,
                                                       chunk=self.cfg.logit_chunk_tokens, entropy=True)
@@ -237,7 +234,6 @@ class TorchTrainEngine:
                 mb_stats: dict[str, torch.Tensor] = {}
                 for j, ((p, share), (prox_lp, ref_lp)) in enumerate(zip(plan, prox_mb)):
                     first = prox_lp is None  # the first epoch's forward of a mini-batch without a proximal pass
-                    self._step_begin()
                     with self._compute(), phase("update.forward"):
                         logp, ent = packed_logprobs(self.run, p, self.temperature, chunk=self.cfg.logit_chunk_tokens,
                                                     entropy=first, keep_bytes=self.keep_bytes)
@@ -281,10 +277,6 @@ class TorchTrainEngine:
         out["compute_s"] = time.perf_counter() - t0
         return out
 
-    def _step_begin(self) -> None:
-        if self.graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-
     def _plans(self, data: dict[str, torch.Tensor]) -> tuple[_Plans, float]:
         """Per mini-batch, this rank's micro-batches on the device, each with its share of the mini-batch's
         tokens (packed when first asked for: ``_Plans``); and how many loss tokens this rank's entropy is
@@ -306,8 +298,6 @@ class TorchTrainEngine:
             packs = pack_rows(data, rows if len(rows) else mb[:1], self.micro_tokens if world == 1 else 1 << 62,
                               self.pad_to, loss_only=True)
             total = float(data["mask"][mb].sum().clamp(min=1))
-            if self.graphs:
-                packs = [graph_shapes(p) for p in packs]
             return [(p.to(self.device), float(p.mask.sum()) / total if len(rows) else 0.0) for p in packs]
 
     # -- weights out ---------------------------------------------------------------------------
@@ -439,26 +429,14 @@ def logit_grad_keep_gib(configured: float | None, device: torch.device) -> float
     return 1.0
 
 
-def graph_shapes(p: Packed) -> Packed:
-    """``p`` with shapes from a few buckets, so that CUDA graphs recorded for one micro-batch replay for
-    the next: the segments' cumulative lengths padded with empty segments to a power of two (at least
-    32), the longest segment rounded up to a multiple of 1,024 (attention's grid, not its result)."""
-    import dataclasses
-
-    segments = p.cu.numel() - 1
-    slots = max(32, 1 << (segments - 1).bit_length())
-    cu = torch.cat([p.cu, p.cu[-1:].expand(slots - segments)])
-    return dataclasses.replace(p, cu=cu, longest=-(-p.longest // 1024) * 1024)
-
-
-def compile_layers(policy: PackedLM, graphs: bool = False) -> None:
+def compile_layers(policy: PackedLM) -> None:
     """``torch.compile`` each decoder layer (dynamic shapes: packed micro-batches differ in length), so
     the norms, rotary embedding, activations and residual adds around the matmuls fuse into a few
     kernels. The first update pays the compilation (8 s at 0.5B and at 1.5B on an H200, bench/RESULTS.md).
     The whole decoder as one graph had not finished its first update after two minutes at the
     Qwen2-0.5B shape (bench/RESULTS.md); one layer's graph serves all of them."""
     for layer in getattr(policy.lm, policy.lm.base_model_prefix).layers:
-        layer.compile(dynamic=True, mode="reduce-overhead" if graphs else None)
+        layer.compile(dynamic=True)
 
 
 class HeldOutEvaluator:
