@@ -7,13 +7,10 @@ rollout engine and the CUDA-graph decode path. Both sides take a token's log-pro
 same function, ``modeling.logprobs_of`` (tempered full softmax; the trainer's chunked head calls its
 ``logprobs_and_normaliser``), so the trainer's recompute and the sampler's record agree by construction.
 
-Three things here are written by hand because no library does them for this objective:
+The micro-batches it runs are packed by ``areal_bus.packing`` (samples end to end in one row, position
+ids reset per sample, attention within each sample: ``VARLEN``). Two things here are written by hand
+because no library does them for this objective:
 
-* ``pack``: a PPO mini-batch of variable-length trajectories becomes micro-batches of at most
-  ``max_tokens`` tokens laid end to end in one row, position ids reset at every sample start. With no
-  attention mask and ``use_cache=False``, transformers derives a block-diagonal causal mask from
-  those position ids (``masking_utils.find_packed_sequence_indices``), so attention never crosses
-  samples and no padding is computed.
 * ``packed_logprobs``: the language-model head is applied to a chunk of positions at a time, forward
   and backward (``HeadLogprobs``), so no [tokens, vocab] float32 tensor is ever whole (at Qwen2's 152k
   vocabulary, 16k tokens of logits would be 10 GB): memory is one chunk's logits, plus, within a
@@ -33,20 +30,19 @@ Three things here are written by hand because no library does them for this obje
 
 Quick check::
 
-    python -c "from areal_bus.train_model import *; print(pack.__doc__)"
+    python -c "from areal_bus.train_model import *; print(packed_logprobs.__doc__)"
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from areal_bus.modeling import as_dtype, logprobs_and_normaliser, scaled_logits
+from areal_bus.packing import Packed
 
 VARLEN = "areal_varlen"
 """The attention implementation the trainer registers with transformers: causal attention within each
@@ -248,157 +244,6 @@ def save_weights(config, state_dict: dict[str, torch.Tensor], folder: str | Path
     tensors = export_state_dict(state_dict, config, torch.float32)
     save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
-
-
-# -- packing ----------------------------------------------------------------------------------
-@dataclass
-class Packed:
-    """One micro-batch: samples laid end to end in a single row.
-
-    ``ids``/``positions`` are [1, N]; ``mask``/``behav``/``adv``/``lag`` are [N], aligned with ``ids``
-    (entry t belongs to token t: its loss weight, the logprob the sampler recorded, its advantage, how
-    many versions before the trained weights it was sampled); ``rows``
-    holds each sample's index in the mini-batch and its span (start, length) in the row; ``cu`` the
-    segments' cumulative lengths ([segments + 1], int32: what varlen attention takes), made with the rest
-    so that a forward on a GPU copies nothing from the host; ``longest`` the longest segment. A padded
-    micro-batch (``pack(pad_to=...)``) ends in one more segment, of padding: in ``cu``, not in ``rows``,
-    loss weight 0. ``head`` (``pack(loss_only=True)``; None: every position): the tokens whose
-    log-probability is computed, those of loss weight != 0 that do not start a sample, in order, then
-    sentinels N, N+1, ... up to a multiple of ``HEAD_PAD_ROWS`` (on a padded micro-batch): the
-    lm_head runs on these rows only (``PackedLM``)."""
-
-    ids: torch.Tensor
-    positions: torch.Tensor
-    mask: torch.Tensor
-    behav: torch.Tensor
-    adv: torch.Tensor
-    rows: list[tuple[int, int, int]]
-    cu: torch.Tensor
-    lag: torch.Tensor
-    longest: int
-    head: torch.Tensor | None = None
-
-    @property
-    def tokens(self) -> int:
-        return int(self.ids.shape[1])
-
-    def to(self, device) -> Packed:
-        """On ``device``; the copies are queued (non_blocking), not waited for: the host goes on
-        launching work while the last update still runs (stream order makes it safe). To a GPU they go
-        from page-locked memory (torch's caching host allocator): a copy from pageable memory is staged
-        by the driver, which may wait for the stream's queued kernels first (the profile in
-        bench/RESULTS.md: ~260 us of host time per copy)."""
-        cuda = torch.device(device).type == "cuda"
-        move = lambda t: (t.pin_memory() if cuda else t).to(device, non_blocking=True)
-        return Packed(move(self.ids), move(self.positions), move(self.mask), move(self.behav), move(self.adv),
-                      self.rows, move(self.cu), move(self.lag), self.longest,
-                      None if self.head is None else move(self.head))
-
-
-def pack(samples: list[dict], max_tokens: int, pad_to: int = 1, loss_only: bool = False) -> list[Packed]:
-    """Micro-batches of at most ``max_tokens`` tokens (a longer sample gets one of its own), in the
-    samples' order: as few as fit them, balanced (``_groups``). Each sample is a dict of 1-D arrays (numpy or torch) as long as its tokens: ``ids``
-    (prompt + output), ``mask`` (loss weight), ``behav`` (the sampler's logprobs), ``adv``, and
-    optionally ``lag`` (0 when absent).
-
-    ``pad_to`` > 1 rounds each micro-batch's length up to a multiple of it with a segment of padding
-    (token 0, loss weight 0, attention of its own), so that a GPU's matmuls see a few row counts again
-    and again: cuBLAS chooses a kernel for every new shape, ~5 ms of host time each on an H200, during
-    which the GPU waits (bench/RESULTS.md). The padding may take a micro-batch past ``max_tokens``.
-
-    ``loss_only``: the micro-batches name the tokens the loss reads (``Packed.head``), and the lm_head
-    computes their log-probabilities only; every other entry is 0. The objective reads nothing else
-    (every term is weighted by the loss mask), so the update is the same; prompts, tool outputs and
-    padding skip the head's matmul, forward and backward, and its passes over [tokens, vocab]."""
-    return [_pack_group(samples, g, pad_to, loss_only)
-            for g in _groups([len(s["ids"]) for s in samples], max_tokens)]
-
-
-def _groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Consecutive samples in as few groups of at most ``max_tokens`` tokens as fit them (a longer
-    sample alone), balanced: the groups' largest is as small as that count allows. A mini-batch just
-    over the cap makes two halves, not a full micro-batch and a sliver: on a GPU each micro-batch costs
-    its launches, which a sliver's few tokens cannot hide (bench/RESULTS.md)."""
-    groups = _fill(lengths, max_tokens)
-    if len(groups) <= 1:
-        return groups
-    lo, hi = max(1, -(-sum(lengths) // max(1, len(groups)))), max_tokens
-    while lo < hi:  # the smallest cap that still needs no more groups
-        mid = (lo + hi) // 2
-        if len(_fill(lengths, mid)) <= len(groups):
-            hi = mid
-        else:
-            lo = mid + 1
-    return _fill(lengths, hi) if hi < max_tokens else groups
-
-
-def _fill(lengths: list[int], cap: int) -> list[list[int]]:
-    """Consecutive samples, each group filled up to ``cap`` tokens (a longer sample alone)."""
-    groups: list[list[int]] = []
-    used = 0
-    for i, n in enumerate(lengths):
-        if not groups or used + n > cap:
-            groups.append([])
-            used = 0
-        groups[-1].append(i)
-        used += n
-    return groups
-
-
-def pack_rows(data: dict[str, torch.Tensor], rows: torch.Tensor, max_tokens: int, pad_to: int = 1,
-              loss_only: bool = False) -> list[Packed]:
-    """``pack`` over rows of a right-padded batch (``ids``, ``attn``, ``mask``, ``behav``, ``adv`` and
-    optionally ``lag``, [B, T]): each row's tokens up to its length. One gather per field and micro-batch
-    (the batch's rows are right-padded, so row-major order of the real tokens is the samples laid end
-    to end), not a slice and a copy per sample and field: it runs on the host before the update's first
-    kernel, while the GPU waits."""
-    lengths = data["attn"][rows].sum(1).tolist()
-    out = []
-    for group in _groups(lengths, max_tokens):
-        idx = rows[group]
-        real = data["attn"][idx].bool()
-        fields = {k: data[k][idx][real] for k in ("ids", "mask", "behav", "adv", "lag") if k in data}
-        out.append(_packed(fields, group, [lengths[i] for i in group], pad_to, loss_only))
-    return out
-
-
-def _pack_group(samples: list[dict], idx: list[int], pad_to: int = 1, loss_only: bool = False) -> Packed:
-    keys = [k for k in ("ids", "mask", "behav", "adv", "lag") if all(k in samples[i] for i in idx)]
-    fields = {k: torch.cat([torch.as_tensor(samples[i][k]) for i in idx]) for k in keys}
-    return _packed(fields, idx, [len(samples[i]["ids"]) for i in idx], pad_to, loss_only)
-
-
-HEAD_PAD_ROWS = 128
-"""On a padded micro-batch (``pad_to`` > 1) the head's rows are rounded up to a multiple of this: the
-last logit chunk then has one of a few lengths, whose matmuls cuBLAS soon knows (as for
-``pad_to``), for at most 127 rows computed in vain."""
-
-
-def _packed(fields: dict[str, torch.Tensor], idx: list[int], sizes: list[int], pad_to: int,
-            loss_only: bool = False) -> Packed:
-    """A micro-batch from its samples' fields laid end to end (``lag`` optional: 0 without it), the
-    samples' indices and lengths: padded to a multiple of ``pad_to``, positions restarting per segment;
-    with ``loss_only`` the head's rows (``Packed.head``)."""
-    start = list(itertools.accumulate([0] + sizes))
-    pad = -start[-1] % max(1, pad_to)
-    segments = sizes + ([pad] if pad else [])
-    total = start[-1] + pad
-    field = lambda key, dtype: torch.cat([fields[key].to(dtype), torch.zeros(pad, dtype=dtype)])
-    n = torch.tensor(segments, dtype=torch.long)
-    cu = torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)])
-    positions = torch.arange(total) - torch.repeat_interleave(cu[:-1], n)
-    lag = field("lag", torch.float32) if "lag" in fields else torch.zeros(total, dtype=torch.float32)
-    mask = field("mask", torch.float32)
-    head = None
-    if loss_only:
-        head = torch.nonzero((mask != 0) & (positions != 0)).flatten()
-        granule = min(max(1, pad_to), HEAD_PAD_ROWS)
-        extra = -head.numel() % granule if head.numel() else granule  # one row at least
-        head = torch.cat([head, total + torch.arange(extra)])  # sentinels: computed, then dropped
-    return Packed(field("ids", torch.long)[None], positions[None], mask,
-                  field("behav", torch.float32), field("adv", torch.float32),
-                  [(i, start[j], sizes[j]) for j, i in enumerate(idx)], cu.to(torch.int32), lag, max(segments),
-                  head)
 
 
 # -- log-probabilities ------------------------------------------------------------------------

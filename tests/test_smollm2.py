@@ -102,7 +102,8 @@ def test_engine_logprobs_equal_the_trainers_recompute_and_greedy_equals_transfor
     from transformers import AutoModelForCausalLM
 
     from areal_bus.engines.torch_engine import TorchRolloutEngine
-    from areal_bus.train_model import load_policy, pack, packed_logprobs
+    from areal_bus.packing import pack
+    from areal_bus.train_model import load_policy, packed_logprobs
 
     tok = _tokenizer(smollm2_dir)
     prompt = np.asarray(_prompt(tok, QUESTION), np.int32)

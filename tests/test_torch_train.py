@@ -277,13 +277,13 @@ def test_the_head_on_the_loss_tokens_only_makes_the_same_update(model_dir, monke
     """The engine packs with loss_only: the lm_head runs on the loss's tokens (not the prompts), and the
     update, its diagnostics and the entropy are those of the head over every position."""
     import areal_bus.engines.torch_train as torch_train
-    from areal_bus import train_model
+    from areal_bus import packing
 
     trajs = _episodes(model_dir)
     runs, head_rows = [], []
     for loss_only in (False, True):
         def packs(*args, _flag=loss_only, loss_only=True, **kwargs):
-            out = train_model.pack_rows(*args, loss_only=_flag, **kwargs)
+            out = packing.pack_rows(*args, loss_only=_flag, **kwargs)
             head_rows.append(sum(p.tokens if p.head is None else p.head.numel() for p in out))
             return out
         monkeypatch.setattr(torch_train, "pack_rows", packs)

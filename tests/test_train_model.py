@@ -11,8 +11,9 @@ import torch
 
 from areal_bus.loss import decoupled_ppo_loss
 from areal_bus.modeling import logprobs_of
+from areal_bus.packing import pack
 from areal_bus.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, head_logprobs, load_policy,
-                                   pack, packed_logprobs, train_flops)
+                                   packed_logprobs, train_flops)
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
 
@@ -103,7 +104,7 @@ def test_packing_caps_micro_batches_and_keeps_order():
 def test_packing_balances_micro_batches_without_adding_any():
     """A mini-batch just over the cap makes two halves (not a full micro-batch and a sliver), in as many
     micro-batches as filling each to the cap makes, none over the cap, the samples in order."""
-    from areal_bus.train_model import _fill, _groups
+    from areal_bus.packing import _fill, _groups
 
     assert [p.tokens for p in pack(_samples(np.random.default_rng(2), [20, 20, 20, 10]), max_tokens=64)] == [40, 30]
     rng = np.random.default_rng(0)
@@ -379,7 +380,7 @@ def test_padding_longer_than_every_sample_still_bounds_the_attention():
 
 @pytest.mark.parametrize("pad_to", [1, 16])
 def test_packing_rows_of_a_padded_batch_equals_packing_the_samples(pad_to):
-    from areal_bus.train_model import pack_rows
+    from areal_bus.packing import pack_rows
 
     samples = _samples(np.random.default_rng(8), [30, 7, 50, 90, 12, 3])
     for s, v in zip(samples, range(len(samples))):

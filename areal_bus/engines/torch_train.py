@@ -40,8 +40,9 @@ import torch
 from areal_bus.loss import decoupled_ppo_loss, grpo_advantages, kl_penalty, loglinear_proximal, masked_mean
 from areal_bus.messages import Trajectory
 from areal_bus.modeling import as_dtype
-from areal_bus.train_model import (ComputeCopy, Packed, PackedLM, autocast, export_state_dict, load_policy,
-                                   pack_rows, packed_logprobs, save_weights)
+from areal_bus.packing import Packed, pack_rows
+from areal_bus.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, load_policy, packed_logprobs,
+                                   save_weights)
 
 # Names of the update's phases in a torch profile (bench/trainer.py --trace, bench/trace_summary.py): a few
 # host-side markers per update, a microsecond each while no profiler runs.
