@@ -65,6 +65,23 @@ class Packed:
                       None if self.head is None else move(self.head))
 
 
+def mini_batches(count: int, size: int) -> list[range]:
+    """The update's ``count`` samples as ``ceil(count / size)`` PPO mini-batches of equal size (the first
+    ``count % n`` one sample larger), in order: never larger than ``size``, and no tail of a few samples.
+
+    Each mini-batch is an optimizer step, and AdamW's step is about as large from 8 samples as from 64:
+    an asynchronous update of whole GRPO groups takes between trigger_batch_size and global_batch_size
+    samples, so cutting it into full mini-batches of ``size`` left a remainder (72 samples at size 64:
+    64 and 8) whose step was mostly noise. Equal parts keep every step's gradient an average over as
+    many samples as the update allows (72: 36 and 36)."""
+    if count <= 0:
+        return []
+    n = -(-count // max(1, size))
+    base, extra = divmod(count, n)
+    starts = [i * base + min(i, extra) for i in range(n + 1)]
+    return [range(starts[i], starts[i + 1]) for i in range(n)]
+
+
 def pack(samples: list[dict], max_tokens: int, pad_to: int = 1, loss_only: bool = False) -> list[Packed]:
     """Micro-batches of at most ``max_tokens`` tokens (a longer sample gets one of its own), in the
     samples' order: as few as fit them, balanced (``_groups``). Each sample is a dict of 1-D arrays (numpy or torch) as long as its tokens: ``ids``

@@ -387,7 +387,9 @@ class Topology(_Strict):
                                "a group's advantages compare its members, and the short ones finish first. A group "
                                "waits for its last member unless the queue holds a whole global batch without "
                                "enough whole groups (then oldest first, as with false).")
-    mini_batch_size: int = Field(8, ge=1, le=1_000_000, description="PPO mini-batch within an update.")
+    mini_batch_size: int = Field(8, ge=1, le=1_000_000,
+                                 description="PPO mini-batch within an update: an update of B samples takes "
+                                 "ceil(B / mini_batch_size) optimizer steps on equal parts of it.")
     learning_rate: float = Field(1e-5, gt=0, le=1, description="Optimizer learning rate.")
     max_steps: int = Field(20, ge=1, le=10_000_000, description="Updates before the run ends by itself.")
     parallelism: Parallelism = Field(default_factory=Parallelism)

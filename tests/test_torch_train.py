@@ -312,3 +312,15 @@ def test_loglinear_proximal_makes_the_recomputed_update_on_fresh_samples_with_on
     for k in ("loss", "mean_w", "grad_norm"):
         assert runs[0][0][k] == pytest.approx(runs[1][0][k], rel=1e-3, abs=1e-5), k
     torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5, rtol=1e-4)
+
+
+def test_the_engine_steps_on_equal_mini_batches(model_dir):
+    """6 samples at mini_batch_size 4: two optimizer steps of 3 samples each (not 4 and 2)."""
+    trajs = _episodes(model_dir)[:6]
+    engine = TorchTrainEngine(_topo(model_dir), model_dir)
+    plans, _ = engine._plans(pad_batch(trajs, torch.zeros(len(trajs))))
+    assert [sum(len(p.rows) for p, _ in plans[k]) for k in range(len(plans))] == [3, 3]
+    steps = []
+    engine.opt.register_step_post_hook(lambda *_: steps.append(1))
+    engine.train(trajs, version=0)
+    assert len(steps) == 2

@@ -410,3 +410,21 @@ def test_train_flops_count_the_head_on_the_tokens_it_runs_on():
     assert train_flops(1000, 2, 8, 100, 5000, proximal=(60, 3000), head=(300, 100, 60)) == base
     fewer = train_flops(1000, 2, 8, 100, 5000, proximal=(60, 3000), head=(300, 90, 50))
     assert base - fewer == 6 * 300 * 10 + 2 * 300 * 10
+
+
+def test_an_update_is_cut_into_equal_mini_batches_never_a_tail():
+    """Each mini-batch is an optimizer step: an async update of 72 samples at mini_batch_size 64 is two
+    steps of 36, not 64 and a step on 8 samples; never more steps than ceil(count / size), never a part
+    over ``size``, parts differing by one sample at most, the samples in order."""
+    from areal_bus.packing import mini_batches
+
+    assert [len(r) for r in mini_batches(72, 64)] == [36, 36]
+    assert [len(r) for r in mini_batches(128, 64)] == [64, 64]  # a full synchronous batch as before
+    assert [len(r) for r in mini_batches(7, 3)] == [3, 2, 2]
+    assert mini_batches(0, 4) == []
+    for count in range(1, 200):
+        for size in (1, 2, 3, 8, 32, 64, 500):
+            parts = mini_batches(count, size)
+            assert [i for r in parts for i in r] == list(range(count))
+            assert len(parts) == -(-count // size)
+            assert max(map(len, parts)) <= size and max(map(len, parts)) - min(map(len, parts)) <= 1

@@ -40,7 +40,7 @@ import torch
 from areal_bus.loss import decoupled_ppo_loss, grpo_advantages, kl_penalty, loglinear_proximal, masked_mean
 from areal_bus.messages import Trajectory
 from areal_bus.modeling import as_dtype
-from areal_bus.packing import Packed, pack_rows
+from areal_bus.packing import Packed, mini_batches, pack_rows
 from areal_bus.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, load_policy, packed_logprobs,
                                    save_weights)
 
@@ -284,7 +284,7 @@ class TorchTrainEngine:
         averaged over."""
         rank, world = self._data_shard()
         B = data["ids"].shape[0]
-        batches = [torch.arange(start, min(B, start + self.mini_batch)) for start in range(0, B, self.mini_batch)]
+        batches = [torch.arange(r.start, r.stop) for r in mini_batches(B, self.mini_batch)]  # equal parts, no tail
         ent_tokens = sum(float(data["mask"][mb[rank::world]].sum()) for mb in batches)
         return _Plans(lambda k: self._plan(data, batches[k], rank, world), len(batches)), ent_tokens
 
