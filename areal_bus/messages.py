@@ -199,6 +199,13 @@ class Trajectory:
         return int(policy.min()) if policy.size else 0
 
     @property
+    def end_version(self) -> int:
+        """The newest policy version that produced any token (a long output's weights change under it):
+        with ``staleness.per_token`` a sample is over the bound only when this one is."""
+        policy = self.versions[self.versions >= 0]
+        return int(policy.max()) if policy.size else 0
+
+    @property
     def num_tokens(self) -> int:
         return int(self.prompt_ids.size + self.output_ids.size)
 

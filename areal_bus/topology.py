@@ -95,6 +95,13 @@ class StalenessConfig(_Strict):
                                   "ones) is trained anyway, its staleness counted (over_bound per update), and the "
                                   "decoupled objective's behav_imp_weight_cap masks its tokens whose behaviour "
                                   "importance weight is too far off.")
+    per_token: bool = Field(False, description="With drop_at_consume: the bound applies to each token, not "
+                            "to a sample's oldest. A long output's tokens come from the versions the weights "
+                            "went through while it was generated; the trainer drops a sample only when even its "
+                            "newest token is over staleness_threshold, and leaves the tokens over it out of the "
+                            "loss (masked, counted as tokens_over_bound per update): no token is trained over the "
+                            "bound, and the late part of a long output still is (the whole-sample drop takes "
+                            "the long outputs, and with them what makes an answer short).")
     lead: Literal["bound", "adaptive"] = Field(
         "bound", description="How far ahead of the trainer rollout may start episodes. 'bound': as far as "
         "staleness_threshold allows (AReaL's rule). 'adaptive': starts at the bound, steps down one version "
@@ -102,6 +109,14 @@ class StalenessConfig(_Strict):
         "bottleneck: a deeper pipeline adds staleness, not throughput) and back up after an update that "
         "left it less than trigger_batch_size (it would wait); never below 1, never above the bound "
         "(areal_bus/admission.py).")
+
+    @model_validator(mode="after")
+    def _per_token_drops(self):
+        if self.per_token and not self.drop_at_consume:
+            raise ValueError("per_token applies the bound to each token when the trainer drops at consumption: "
+                             "set drop_at_consume: true, or leave per_token out (false trains every admitted "
+                             "token, as AReaL)")
+        return self
 
 
 _PLUGIN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*"

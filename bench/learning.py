@@ -87,6 +87,9 @@ def system_line(logs) -> str:
     steps = [r for r in logs.records if r["step"] >= 0]
     outs = [r["generated"] / r["samples"] for r in steps if r.get("generated") and r.get("samples")]
     out = f", output tokens per sample {min(outs):.0f}..{max(outs):.0f} (update means)" if outs else ""
+    if masked := sum(r.get("tokens_over_bound", 0) for r in steps):  # staleness.per_token
+        trained = sum(r.get("tokens", 0) for r in steps)
+        out += f", tokens over the bound masked {masked} ({masked / max(1, masked + trained):.1%} of the samples' loss tokens)"
     return (f"{s.sps:.1f} samples/s, {s.tps:.0f} generated tokens/s, trainer busy {s.busy:.0%}, running batch "
             f"{s.batch} (below half {s.below_half:.0%}), staleness {s.staleness}, dropped {s.dropped}, "
             f"over bound {s.over_bound}{out}")

@@ -15,12 +15,12 @@ from nodes.trainer.recovery import Start
 STALENESS = 1
 
 
-def _core(drop: bool | None, version: int = 3) -> TrainerCore:
+def _core(drop: bool | None, version: int = 3, per_token: bool = False) -> TrainerCore:
     data = {"async": {"enabled": True}, "global_batch_size": 4, "trigger_batch_size": 2, "mini_batch_size": 2,
             "staleness_threshold": STALENESS, "max_steps": 1000, "logging": {"save_interval": 0},
             "trainer_engine": {"kind": "sim"}}
     if drop is not None:
-        data["staleness"] = {"drop_at_consume": drop}
+        data["staleness"] = {"drop_at_consume": drop, "per_token": per_token}
     return TrainerCore(parse_topology(data), Start("epoch-1", version=version), None, incarnation="inc-1",
                        lineage="001-a")
 
@@ -113,3 +113,27 @@ def test_the_run_state_after_an_update_says_how_many_samples_wait_and_lead_is_a_
     assert parse_topology({"staleness": {"lead": "adaptive"}}).staleness.lead == "adaptive"
     with pytest.raises(TopologyError, match=r"staleness\.lead"):
         parse_topology({"staleness": {"lead": "sometimes"}}, "t.yaml")
+
+
+def test_per_token_drops_only_a_sample_whose_newest_token_is_over_the_bound(make_traj):
+    """staleness.per_token: a long output whose weights changed under it (versions 1, 1, 2, 3 at trainer
+    version 3, bound 1) is trained, its tokens over the bound left to the engine to mask; one whose every
+    token is over goes as stale, its reward kept for its group's baseline; nothing counts as trained over
+    the bound."""
+    core = _core(True, per_token=True)
+    core.receive([make_traj("long", versions=(1, 1, 2, 3), source="s"),
+                  make_traj("gone", versions=(0, 1, 1), source="s"), make_traj("a", versions=(3,), source="s")])
+    out = core.next_job(1.0)
+    assert _acked(out, "stale") == ["gone"] and core.queue.stale == 1
+    assert [t.traj_id for t in out.job.batch] == ["long", "a"] and out.job.over_bound == 0
+    assert core.on_trained(out.job, {"loss": 0.1}, 2.0).steps[0]["over_bound"] == 0
+    whole = _core(True)  # the whole-sample rule drops the long one too
+    whole.receive([make_traj("long", versions=(1, 1, 2, 3), source="s"), make_traj("a", versions=(3,), source="s"),
+                   make_traj("b", versions=(3,), source="s")])
+    assert _acked(whole.next_job(1.0), "stale") == ["long"]
+
+
+def test_per_token_needs_the_drop_and_is_off_by_default():
+    assert parse_topology({}).staleness.per_token is False
+    with pytest.raises(TopologyError, match=r"per_token applies the bound to each token.*drop_at_consume: true"):
+        parse_topology({"staleness": {"drop_at_consume": False, "per_token": True}}, "t.yaml")

@@ -324,3 +324,35 @@ def test_the_engine_steps_on_equal_mini_batches(model_dir):
     engine.opt.register_step_post_hook(lambda *_: steps.append(1))
     engine.train(trajs, version=0)
     assert len(steps) == 2
+
+
+def test_per_token_bound_masks_the_tokens_over_it_and_trains_the_rest(model_dir):
+    """staleness.per_token on the engine: at version 3 with bound 1, tokens sampled by versions 0-1 are left
+    out of the loss (counted as tokens_over_bound); the update equals one on the same samples with those
+    tokens' loss mask 0 by hand, and differs from the unmasked update."""
+    base = _episodes(model_dir)[:4]
+    aged = []
+    for t in base:
+        t = copy.deepcopy(t)
+        n = t.versions.size
+        t.versions = np.where(np.arange(n) < n // 2, 1, 3).astype(np.int32)  # first half two versions behind
+        aged.append(t)
+    bounded = {"staleness_threshold": 1, "staleness": {"drop_at_consume": True, "per_token": True}}
+    runs = {}
+    for name, over, trajs in (("per_token", bounded, aged), ("whole", {"staleness_threshold": 1}, aged)):
+        engine = TorchTrainEngine(_topo(model_dir, learning_rate=1e-3, **over), model_dir)
+        stats = engine.train(trajs, version=3)
+        runs[name] = (stats, engine.state_dict())
+    by_hand = []
+    for t in aged:
+        t = copy.deepcopy(t)
+        t.loss_mask = np.where(t.versions >= 2, t.loss_mask, 0).astype(np.uint8)
+        by_hand.append(t)
+    engine = TorchTrainEngine(_topo(model_dir, learning_rate=1e-3, staleness_threshold=1), model_dir)
+    hand_stats = engine.train(by_hand, version=3)
+    assert runs["per_token"][0]["tokens_over_bound"] == sum(int((t.versions < 2).sum()) for t in aged) > 0
+    assert "tokens_over_bound" not in runs["whole"][0]
+    assert runs["per_token"][0]["loss"] == pytest.approx(hand_stats["loss"], abs=1e-6)
+    for k, w in engine.state_dict().items():
+        torch.testing.assert_close(runs["per_token"][1][k], w, atol=1e-7, rtol=1e-6)
+    assert any(not torch.allclose(runs["whole"][1][k], w) for k, w in engine.state_dict().items())

@@ -132,6 +132,8 @@ class TorchTrainEngine:
         self.keep_bytes = int(logit_grad_keep_gib(cfg.logit_grad_keep_gib, self.device) * 2**30)
         self.temperature = topo.rollout_engine.temperature
         self.mini_batch = topo.mini_batch_size
+        per_token = topo.is_async and topo.staleness.drop_at_consume and topo.staleness.per_token
+        self.token_bound = topo.staleness_threshold if per_token else None  # lag a trained token may have
         self.publisher = publisher  # train_engine.WeightPublisher: the buffers rollout workers read; None: no export
         self.dp = dp  # the other ranks (torch_dp.DataParallel) a parallel engine hands each batch to
         self._evaluator = None  # HeldOutEvaluator, made at the first evaluation
@@ -176,10 +178,17 @@ class TorchTrainEngine:
                               std_normalize=self.cfg.adv_std_normalize,
                               leave_one_out=self.cfg.adv_leave_one_out)[: len(batch)]
         data = pad_batch(batch, adv, version)
+        over = 0
+        if self.token_bound is not None:  # staleness.per_token: no token trained over the bound
+            stale = (data["lag"] > self.token_bound) & (data["mask"] != 0)
+            over = int(stale.sum())
+            data["mask"][stale] = 0.0
         if self.dp is not None:
             self.dp.send(data)  # every rank gets the whole padded batch and takes its own rows
         out = self.update(data)
         out["reward"] = float(rewards.mean())
+        if self.token_bound is not None:
+            out["tokens_over_bound"] = over
         out.update(reward_components(batch))
         return out
 

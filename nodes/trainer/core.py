@@ -7,7 +7,8 @@ samples are ready (exactly global_batch_size in synchronous mode).
 
 The staleness bound, in the two senses ``staleness.drop_at_consume`` chooses between: true, no sample
 is trained whose oldest token is more than staleness_threshold versions behind the weights it updates
-(it is dropped when its batch forms); false, the bound is AReaL's admission rule alone (no episode
+(it is dropped when its batch forms; with ``staleness.per_token``, no token: a sample goes only when
+its newest token is over, and the engine masks its tokens that are); false, the bound is AReaL's admission rule alone (no episode
 starts unless it could be consumed within staleness_threshold versions), every admitted sample is
 trained, and those trained over the threshold are counted per update (``over_bound`` in
 train_steps.jsonl, the ``trained_over_bound`` metric) beside the batch's staleness histogram.
@@ -74,8 +75,9 @@ QUARANTINE_CODES = frozenset({"train_failed", "killed_trainer"})
 
 class TrainQueue:
     def __init__(self, capacity: int, trigger: int, max_batch: int, staleness: int, exact: bool,
-                 group_size: int = 1, clock=time.monotonic):
+                 group_size: int = 1, clock=time.monotonic, per_token: bool = False):
         self.capacity = capacity
+        self.per_token = per_token  # staleness.per_token: over the bound when even the newest token is
         self.trigger = trigger
         self.max_batch = max_batch
         self.staleness = staleness
@@ -139,7 +141,7 @@ class TrainQueue:
         return False
 
     def drop_stale(self, version: int) -> list[m.Trajectory]:
-        out = [t for t in self.buffer.values() if is_over_stale(version, t.start_version, self.staleness)]
+        out = [t for t in self.buffer.values() if self.over(t, version)]
         for t in out:
             if t.group_id and self.group_size > 1 and t.reward is not None:
                 self.dropped_rewards.setdefault(t.group_id, []).append(float(t.reward))
@@ -150,6 +152,10 @@ class TrainQueue:
             del self.dropped_rewards[next(iter(self.dropped_rewards))]
         self.stale += len(out)
         return out
+
+    def over(self, traj: m.Trajectory, version: int) -> bool:
+        """Over the staleness bound at ``version``: its oldest token, or with per_token its newest."""
+        return is_over_stale(version, traj.end_version if self.per_token else traj.start_version, self.staleness)
 
     def baseline_for(self, batch: list[m.Trajectory]) -> list[tuple[str, float]]:
         """(group, reward) of the dropped members of ``batch``'s groups (engine.train's ``baseline``),
@@ -267,7 +273,8 @@ class TrainerCore:
         self.metrics = metrics or Metrics()
         self.queue = TrainQueue(topo.queue_max_size, topo.effective_trigger, topo.global_batch_size,
                                 topo.effective_staleness, exact=not topo.is_async,
-                                group_size=topo.agent.group_size if topo.whole_groups else 1)
+                                group_size=topo.agent.group_size if topo.whole_groups else 1,
+                                per_token=topo.staleness.per_token)
         # Weights of this process's lineage: a restart rolls the policy back to its checkpoint, and
         # rollout workers must follow even though the version number goes down.
         self.policy = PolicyVersion(lineage, start.version)
@@ -423,8 +430,7 @@ class TrainerCore:
         stale = self.queue.drop_stale(self.version) if drop else []
         if stale:
             out.add(self._drop_stale(stale, now))
-        if over := [t for t, _ in self.suspects.values() if drop and is_over_stale(self.version, t.start_version,
-                                                                                   self.queue.staleness)]:
+        if over := [t for t, _ in self.suspects.values() if drop and self.queue.over(t, self.version)]:
             for t in over:
                 del self.suspects[t.traj_id]
             out.add(self._drop_stale(over, now))
@@ -440,7 +446,9 @@ class TrainerCore:
         hist = collections.Counter(staleness_of(self.version, t.start_version) for t in batch)
         for s, c in hist.items():
             self.metrics.observe("staleness", s, c)
-        over_bound = sum(c for s, c in hist.items() if s > self.queue.staleness)  # 0 with drop_at_consume
+        # Samples trained over the bound: none when dropping (per_token: their tokens over it are masked,
+        # counted by the engine as tokens_over_bound).
+        over_bound = 0 if drop else sum(c for s, c in hist.items() if s > self.queue.staleness)
         if over_bound:
             self.metrics.inc("trained_over_bound", over_bound)
         wait = now - self.idle_since
