@@ -87,6 +87,8 @@ def system_line(logs) -> str:
     steps = [r for r in logs.records if r["step"] >= 0]
     outs = [r["generated"] / r["samples"] for r in steps if r.get("generated") and r.get("samples")]
     out = f", output tokens per sample {min(outs):.0f}..{max(outs):.0f} (update means)" if outs else ""
+    if len(outs) > 1:  # how unlike one update's batch is the next's: async batches clump by output length
+        out += f", mean change {sum(abs(a - b) for a, b in zip(outs, outs[1:])) / (len(outs) - 1):.0f} update to update"
     if masked := sum(r.get("tokens_over_bound", 0) for r in steps):  # staleness.per_token
         trained = sum(r.get("tokens", 0) for r in steps)
         out += f", tokens over the bound masked {masked} ({masked / max(1, masked + trained):.1%} of the samples' loss tokens)"
