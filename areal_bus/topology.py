@@ -283,6 +283,16 @@ class TrainerEngineConfig(_Strict):
     eps_clip_high: float | None = Field(None, gt=0, le=10, description="PPO clip range on the high side (DAPO's clip-higher).")
     behav_imp_weight_cap: float | None = Field(5.0, gt=1, description="Tokens whose behaviour importance weight "
                                                "exceeds this are left out of the loss (None: no cap).")
+    loss_token_norm: int | None = Field(None, ge=1, le=10_000_000, description="torch: how a mini-batch's "
+                                        "per-token terms are summed into its loss. None: their mean over its loss "
+                                        "tokens (token-mean), so a token weighs less the more tokens the other "
+                                        "samples of its mini-batch have. N: their sum divided by (the mini-batch's "
+                                        "samples x N), Dr. GRPO's constant normaliser (verl's loss_agg_mode "
+                                        "seq-mean-token-sum-norm): a sample's weight is its own whatever shares "
+                                        "its mini-batch. Asynchronous batches take the groups that are complete "
+                                        "and clump by output length where synchronous ones mix "
+                                        "(bench/RESULTS.md). Set N near the longest output (agent.max_tokens x "
+                                        "max_turns).")
     adv_std_normalize: bool = Field(True, description="GRPO: divide advantages by the group's reward std.")
     adv_leave_one_out: bool = Field(False, description="GRPO: baseline is the mean of the other samples.")
     kl_coef: float = Field(0.0, ge=0, le=10, description="KL penalty against the initial policy; 0 = off.")

@@ -356,3 +356,28 @@ def test_per_token_bound_masks_the_tokens_over_it_and_trains_the_rest(model_dir)
     for k, w in engine.state_dict().items():
         torch.testing.assert_close(runs["per_token"][1][k], w, atol=1e-7, rtol=1e-6)
     assert any(not torch.allclose(runs["whole"][1][k], w) for k, w in engine.state_dict().items())
+
+
+def test_loss_token_norm_weighs_a_sample_alike_whatever_shares_its_mini_batch(model_dir):
+    """trainer_engine.loss_token_norm (Dr. GRPO's constant normaliser): sample A's gradient is the same
+    beside a short or a long zero-advantage sample B; with the default token-mean, B's tokens dilute it.
+    The constant's loss is the token-mean loss x tokens / (samples x N), in one micro-batch or several."""
+    a, b = _episodes(model_dir)[:2]
+    short = copy.deepcopy(b)
+    for name in ("output_ids", "logprobs", "versions", "loss_mask"):
+        setattr(short, name, getattr(short, name)[:2].copy())
+    adv = torch.tensor([1.0, 0.0])
+    seen = {}
+    for norm in (None, 8):
+        for tag, other in (("short", short), ("long", b)):
+            for micro in (16384, 16):
+                te = {"kind": "torch", "loss_token_norm": norm, "micro_batch_tokens": micro}
+                engine = TorchTrainEngine(_topo(model_dir, mini_batch_size=2, trainer_engine=te), model_dir)
+                seen[norm, tag, micro] = engine.update(pad_batch([a, other], adv, 0))
+    for tag in ("short", "long"):
+        for micro in (16384, 16):
+            assert seen[8, tag, micro]["grad_norm"] == pytest.approx(seen[8, "short", 16384]["grad_norm"], rel=1e-4)
+            tokens = a.output_ids.size + (short if tag == "short" else b).output_ids.size
+            assert seen[8, tag, micro]["loss"] == pytest.approx(seen[None, tag, micro]["loss"] * tokens / (2 * 8),
+                                                                rel=1e-4, abs=1e-7)
+    assert seen[None, "long", 16384]["grad_norm"] < 0.9 * seen[None, "short", 16384]["grad_norm"]

@@ -16,7 +16,8 @@ version)`` is one policy update (one version):
      made before any optimizer step, is its own proximal pass (``trainer_engine.prox_logp_method:
      loglinear`` makes no proximal pass: the later mini-batches interpolate theirs, ``loss.loglinear_proximal``);
   5. ``ppo_epochs`` passes of mini-batch steps of ``decoupled_ppo_loss``, gradients accumulated over the
-     micro-batches, each weighted by its share of the mini-batch's tokens (AdamW, gradient clipping).
+     micro-batches, each weighted by its share of the mini-batch's tokens (AdamW, gradient clipping), or
+     with ``trainer_engine.loss_token_norm: N`` by its tokens over (the mini-batch's samples x N).
 
 Checkpoints are ordinary Hugging Face folders (config.json + model.safetensors + the tokenizer files
 copied from the start checkpoint), plus ``trainer_state.json`` (version, consumed trajectory ids) and
@@ -307,7 +308,10 @@ class TorchTrainEngine:
             # as many forwards as the others.
             packs = pack_rows(data, rows if len(rows) else mb[:1], self.micro_tokens if world == 1 else 1 << 62,
                               self.pad_to, loss_only=True)
-            total = float(data["mask"][mb].sum().clamp(min=1))
+            # The mini-batch's loss = sum of its tokens' terms / total: its loss tokens (token-mean), or its
+            # samples x trainer_engine.loss_token_norm (a constant per sample, whatever else is in it).
+            norm = self.cfg.loss_token_norm
+            total = float(len(mb) * norm) if norm else float(data["mask"][mb].sum().clamp(min=1))
             return [(p.to(self.device), float(p.mask.sum()) / total if len(rows) else 0.0) for p in packs]
 
     # -- weights out ---------------------------------------------------------------------------
