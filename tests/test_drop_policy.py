@@ -118,8 +118,7 @@ def test_the_run_state_after_an_update_says_how_many_samples_wait_and_lead_is_a_
 def test_per_token_drops_only_a_sample_whose_newest_token_is_over_the_bound(make_traj):
     """staleness.per_token: a long output whose weights changed under it (versions 1, 1, 2, 3 at trainer
     version 3, bound 1) is trained, its tokens over the bound left to the engine to mask; one whose every
-    token is over goes as stale, its reward kept for its group's baseline; nothing counts as trained over
-    the bound."""
+    token is over goes as stale; nothing counts as trained over the bound."""
     core = _core(True, per_token=True)
     core.receive([make_traj("long", versions=(1, 1, 2, 3), source="s"),
                   make_traj("gone", versions=(0, 1, 1), source="s"), make_traj("a", versions=(3,), source="s")])
