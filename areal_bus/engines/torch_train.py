@@ -133,8 +133,8 @@ class TorchTrainEngine:
         self.keep_bytes = int(logit_grad_keep_gib(cfg.logit_grad_keep_gib, self.device) * 2**30)
         self.temperature = topo.rollout_engine.temperature
         self.mini_batch = topo.mini_batch_size
-        per_token = topo.is_async and topo.staleness.drop_at_consume and topo.staleness.per_token
-        self.token_bound = topo.staleness_threshold if per_token else None  # lag a trained token may have
+        # staleness.per_token (the topology refuses it without drop_at_consume): the lag a trained token may have
+        self.token_bound = topo.staleness_threshold if topo.is_async and topo.staleness.per_token else None
         self.publisher = publisher  # train_engine.WeightPublisher: the buffers rollout workers read; None: no export
         self.dp = dp  # the other ranks (torch_dp.DataParallel) a parallel engine hands each batch to
         self._evaluator = None  # HeldOutEvaluator, made at the first evaluation
