@@ -102,6 +102,14 @@ class StalenessConfig(_Strict):
                             "loss (masked, counted as tokens_over_bound per update): no token is trained over the "
                             "bound, and the late part of a long output still is (the whole-sample drop takes "
                             "the long outputs, and with them what makes an answer short).")
+    in_order: bool = Field(False, description="The agent hands finished GRPO groups on in the order they were "
+                           "admitted (a reorder buffer): the trainer's batches are the groups admitted together, "
+                           "as in synchronous mode, not the ones that happened to finish first (short answers "
+                           "first, long ones clumped together and late), and AReaL's admission rule, exact when "
+                           "samples finish in admission order, bounds their staleness. The cost is "
+                           "head-of-line blocking: a long group holds the finished ones behind it (for "
+                           "GROUP_WAIT_S at most). Asynchronous agents on the bus only (a gateway's sessions "
+                           "end when their clients say).")
     lead: Literal["bound", "adaptive"] = Field(
         "bound", description="How far ahead of the trainer rollout may start episodes. 'bound': as far as "
         "staleness_threshold allows (AReaL's rule). 'adaptive': starts at the bound, steps down one version "

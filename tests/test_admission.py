@@ -364,3 +364,54 @@ def test_an_agents_admission_follows_the_trainers_ready_count_with_lead_adaptive
         src.on_run_state(_ready_state(v, 64 * v, 128))
     assert src.admission.lead == 1
     assert not EpisodeSource(parse_topology({"staleness_threshold": 2}), replica=0, replicas=1).admission.adaptive
+
+
+def _done(req, n_out: int = 3, error: str = ""):
+    import numpy as np
+
+    from areal_bus import messages as m
+
+    ids = np.arange(1, n_out + 1, dtype=np.int32) if not error else np.zeros(0, np.int32)
+    return m.Completion(request_id=req.request_id, episode_id=req.episode_id, ticket=req.ticket, worker="rollout-0",
+                        output_ids=ids, logprobs=np.full(ids.size, -1.0, np.float32),
+                        versions=np.zeros(ids.size, np.int32), finish_reason="error" if error else "stop",
+                        error=error)
+
+
+def test_in_order_hands_on_whole_groups_in_admission_order_whatever_order_they_finish_in():
+    """staleness.in_order: a group that finished first waits for the one admitted before it; a group
+    one of whose members a worker refused goes one member short; a group held GROUP_WAIT_S behind an
+    unfinished one goes anyway. Without in_order each episode goes the moment it ends."""
+    from areal_bus.constants import GROUP_WAIT_S
+    from areal_bus.topology import parse_topology
+    from nodes.agent import EpisodeSource
+
+    spec = {"async": {"enabled": True}, "global_batch_size": 8, "trigger_batch_size": 4, "staleness_threshold": 1,
+            "agent": {"group_size": 2}, "staleness": {"in_order": True}}
+    src = EpisodeSource(parse_topology(spec), replica=0, replicas=1)
+    assert src.start_episodes(now=0.0) == 16
+    reqs = list(src.to_send)
+    group = [r.group_id for r in reqs]
+    assert group[0] == group[1] != group[2] == group[3] != group[4]
+
+    def finish(i, now=1.0, **kw):
+        traj = src.on_completion(_done(reqs[i], **kw), now)
+        return [t.episode_id for t in src.deliver(traj, now)]
+
+    assert finish(2) == [] and finish(3) == []  # group 1 is whole, group 0 not yet: held
+    assert finish(1) == []
+    assert finish(0) == [reqs[i].episode_id for i in (1, 0, 2, 3)]  # group 0 (as its members ended), then group 1
+    assert finish(5, error="refused") == [] and src.abandoned == 1
+    assert finish(4) == [reqs[4].episode_id]  # group 2 one member short
+    assert finish(8) == [] and finish(9) == []  # group 4 behind unfinished group 3
+    assert src.deliver(None, now=1.0 + GROUP_WAIT_S - 1) == []
+    assert [t.episode_id for t in src.deliver(None, now=1.0 + GROUP_WAIT_S)] == [reqs[8].episode_id, reqs[9].episode_id]
+    assert finish(6) == [] and finish(7) == [reqs[6].episode_id, reqs[7].episode_id]
+
+    plain = EpisodeSource(parse_topology({**spec, "staleness": {}}), replica=0, replicas=1)
+    plain.start_episodes(now=0.0)
+    req = plain.to_send[3]
+    traj = plain.on_completion(_done(req), 1.0)
+    assert [t.episode_id for t in plain.deliver(traj, 1.0)] == [req.episode_id] and not plain.held
+    sync = EpisodeSource(parse_topology({**spec, "async": {"enabled": False}}), replica=0, replicas=1)
+    assert not sync.in_order  # nothing to reorder: one batch per version

@@ -9,6 +9,14 @@ id; a completion that arrives twice is ignored. Episodes stay admitted until the
 counts them (consumed, or dropped as over-stale, which gives the slot back); those totals are repeated,
 so a lost hub message never leaks a slot.
 
+With ``staleness.in_order`` (asynchronous mode) finished episodes are handed on by whole GRPO group
+in the order the groups were admitted (``deliver``, a reorder buffer): a group that finished waits
+for those admitted before it, so the trainer's batches are the groups admitted together, not the ones
+that finished first. A group that has waited GROUP_WAIT_S behind an unfinished one goes anyway (an
+episode that never ends must not hold the rest), and an episode a worker refused leaves its group
+one member short. Held trajectories are in memory, like the ones the sender keeps until the trainer
+acknowledges them: a crash of the agent loses them as it loses its running episodes.
+
 A driver plays the task: ``sim`` (synthetic single-turn prompts, output lengths drawn by the simulated
 engine) here; every real task (guess, math, a user's ``package.module:Class``) through
 areal_bus.tasks.driver.TaskDriver, which has the same ``new_seed`` / ``start`` / ``advance``
@@ -17,14 +25,15 @@ areal_bus.tasks.driver.TaskDriver, which has the same ``new_seed`` / ``start`` /
 
 from __future__ import annotations
 
+import collections
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from areal_bus import messages as m
 from areal_bus.admission import Admission
-from areal_bus.constants import REISSUE_UNCLAIMED_S
+from areal_bus.constants import GROUP_WAIT_S, REISSUE_UNCLAIMED_S
 from areal_bus.episode import EpisodeRecord
 from areal_bus.version import PolicyVersion
 
@@ -65,6 +74,15 @@ class _Episode:
     request_id: str
 
 
+@dataclass(slots=True)
+class _Group:
+    """A GRPO group held for admission order (``staleness.in_order``)."""
+
+    left: int  # members still playing
+    done: list = field(default_factory=list)  # finished trajectories
+    finished_at: float | None = None  # when its last member finished
+
+
 class EpisodeSource:
     def __init__(self, topo, replica: int, replicas: int, driver=None, source: str = ""):
         self.topo = topo
@@ -84,6 +102,8 @@ class EpisodeSource:
         self.requests: dict[str, _Req] = {}  # generation requests not yet completed
         self.episodes: dict[str, _Episode] = {}  # episodes being played
         self.to_send: list[m.GenerateRequest] = []  # requests ZeroMQ has not taken yet
+        self.in_order = topo.is_async and topo.staleness.in_order
+        self.held: collections.OrderedDict[str, _Group] = collections.OrderedDict()  # in admission order
 
     @property
     def version(self) -> int:
@@ -101,6 +121,8 @@ class EpisodeSource:
         for _ in range(n // group):
             seed = self.driver.new_seed(self.rng)
             gid = f"{self.prefix}-g{self.count}"
+            if self.in_order:
+                self.held[gid] = _Group(group)
             for _ in range(group):
                 state, prompt, meta = self.driver.start(self.rng, self.count, seed=seed)
                 eid = f"{self.prefix}-{self.count}"
@@ -137,7 +159,9 @@ class EpisodeSource:
         if self.requests.pop(comp.request_id, None) is None:
             return None  # a reissued request completed twice, or a stranger's: already handled
         if comp.error:  # a worker refused the turn: the episode cannot go on; its slot is free again
-            self.episodes.pop(comp.episode_id, None)
+            ep = self.episodes.pop(comp.episode_id, None)
+            if ep is not None:
+                self._member_done(ep.record.group_id, None, now)
             self.admission.abandon(1)
             self.abandoned += 1
             return None
@@ -151,7 +175,34 @@ class EpisodeSource:
         del self.episodes[comp.episode_id]
         traj = ep.record.to_trajectory(reward)
         traj.source = self.source
+        self._member_done(traj.group_id, traj, now)
         return traj
+
+    def deliver(self, traj: m.Trajectory | None, now: float) -> list[m.Trajectory]:
+        """What to hand on now, after ``on_completion`` returned ``traj`` (None: nothing finished).
+        Without in_order, ``traj`` itself. With it, the finished groups at the head of admission order,
+        and any finished group that has waited GROUP_WAIT_S behind an unfinished one."""
+        if not self.in_order:
+            return [traj] if traj is not None else []
+        out: list[m.Trajectory] = []
+        head = True
+        for gid, g in list(self.held.items()):
+            if g.left and head:
+                head = False
+            elif not g.left and (head or now - g.finished_at >= GROUP_WAIT_S):
+                out += g.done
+                del self.held[gid]
+        return out
+
+    def _member_done(self, gid: str, traj: m.Trajectory | None, now: float) -> None:
+        g = self.held.get(gid) if self.in_order else None
+        if g is None:
+            return
+        g.left -= 1
+        if traj is not None:
+            g.done.append(traj)
+        if not g.left:
+            g.finished_at = now
 
     def on_version(self, msg) -> None:
         """A VersionAnnounce or RunState: follow the policy when (lineage, version) goes up (a resumed

@@ -70,11 +70,16 @@ def on_completions(shell, src: EpisodeSource, inbox: Receiver, sender: ReliableS
         if src.abandoned > abandoned:
             shell.metrics.inc("episodes_abandoned")
             shell.log.warning("episode_abandoned", episode=comp.episode_id, worker=comp.worker, error=comp.error[:200])
-        if traj is not None:
-            ledger.write("produced", ids=[traj.traj_id])
-            sender.offer(traj.traj_id, traj)
-            shell.metrics.inc("samples")
-            shell.metrics.inc("tokens", int(traj.loss_mask.sum()))
+        hand_on(shell, src.deliver(traj, now), sender, ledger)
+    hand_on(shell, src.deliver(None, now), sender, ledger)  # with staleness.in_order: groups held too long
+
+
+def hand_on(shell, trajs: list, sender: ReliableSender, ledger: Ledger) -> None:
+    for traj in trajs:
+        ledger.write("produced", ids=[traj.traj_id])
+        sender.offer(traj.traj_id, traj)
+        shell.metrics.inc("samples")
+        shell.metrics.inc("tokens", int(traj.loss_mask.sum()))
 
 
 def send_work(shell, src: EpisodeSource, work) -> None:
@@ -124,6 +129,7 @@ def run(topo, replica: int = 0, base=None) -> int:
                 t_resend = now
             shell.metrics.gauge("queue.unsent", len(src.to_send))
             shell.metrics.gauge("running", len(src.requests))
+            shell.metrics.gauge("held", sum(len(g.done) for g in src.held.values()))
             shell.metrics.gauge("capacity", src.admission.capacity(src.version))
             shell.metrics.gauge("lead", src.admission.lead)
             shell.metrics.gauge("admission_batch", src.admission.batch)
