@@ -6,6 +6,7 @@ system under supervisord on the tiny model."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -131,9 +132,11 @@ def test_the_torch_engine_generates_exactly_max_tokens_through_eos(tok, one_torc
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_longtail_trains_a_few_updates_under_supervisord(tmp_path):
+@pytest.mark.parametrize("in_order", [False, True])
+def test_longtail_trains_a_few_updates_under_supervisord(tmp_path, in_order):
     """The tiny policy on longtail, asynchronously, under supervisord, in GRPO groups of 4: each
-    update's samples are of the drawn lengths (generated tokens within the clip), rewards in [0, 1]."""
+    update's samples are of the drawn lengths (generated tokens within the clip), rewards in [0, 1].
+    With staleness.in_order the agent hands its groups on in the order it admitted them, whole."""
     sys.path.insert(0, str(ROOT))
     from bench.harness import run_system
 
@@ -150,6 +153,7 @@ def test_longtail_trains_a_few_updates_under_supervisord(tmp_path):
     )
     topo["agent"] = {"framework": "longtail", "prompt_len": 32, "max_turns": 1, "reward_source": "rule", "via": "bus",
                      "group_size": 4}
+    topo["staleness"] = {"in_order": in_order}
     records, wall = run_system(topo, "longtail", keep=tmp_path, timeout=110)
     steps = [r for r in records if r["step"] >= 0]
     assert [r["step"] for r in steps] == [0, 1, 2]
@@ -159,6 +163,11 @@ def test_longtail_trains_a_few_updates_under_supervisord(tmp_path):
     # The rollout worker's running-batch series was written where the bench reads it.
     series = list((tmp_path / "longtail").glob("rollout_batch-*.jsonl"))
     assert series and series[0].read_text().strip()
+    if in_order:  # episode ids count up in admission order, a group's members consecutive
+        ledger = next((tmp_path / "longtail").rglob("ledger/agent-0.jsonl")).read_text().splitlines()
+        produced = [int(i.rsplit("-", 1)[1]) for line in ledger if '"produced"' in line for i in json.loads(line)["ids"]]
+        groups = [n // 4 for n in produced]
+        assert len(produced) >= 12 and groups == sorted(groups) and all(groups.count(g) == 4 for g in set(groups))
 
 
 def test_the_vllm_engine_is_asked_for_the_same_thing():
