@@ -9,7 +9,10 @@ Run:   .venv/bin/python bench/learning.py                  (about 4 minutes on 2
        .venv/bin/python bench/learning.py --via gateway    (the agent through the HTTP gateway, as the default)
        .venv/bin/python bench/learning.py --repeats 3      (3 pairs of runs, seeds 0..2: mean and spread
                                                            per mode, and async vs sync at equal samples)
-       ... --seeds 1 --save DIR    (the pair of seed 1 only; each run's curve and summary as DIR/<mode>-seed1.json)
+       ... --seeds 1 --save DIR    (the pair of seed 1 only; each run's curve and summary as DIR/<mode>-seed1.json,
+                                    written as each run ends)
+       ... --seeds 3 4 5 6 --parallel 4   (four runs at a time, each its own supervisord; on one GPU they
+                                    share it, so compare their curves by samples, not their speed)
        .venv/bin/python bench/learning.py --combine DIR1 DIR2   (no runs: the seeds' summary over saved pairs,
                                                            e.g. one pair per GPU call)
 
@@ -177,6 +180,9 @@ def main() -> int:
                    help="one pair of runs per seed given (as --repeats, with the seeds named)")
     p.add_argument("--modes", nargs="+", choices=("async", "sync"), default=["async", "sync"],
                    help="with --seeds: run only these modes (e.g. an async variant against a saved sync run)")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="with --seeds: run this many of the seeds' runs at once (on one GPU they share it: compare "
+                        "their curves by samples, not their speed)")
     p.add_argument("--save", type=Path, default=None, help="write each run's curve and summary as JSON here")
     p.add_argument("--combine", type=Path, nargs="+", default=None,
                    help="run nothing: the seeds' summary over --save folders of earlier invocations")
@@ -184,6 +190,8 @@ def main() -> int:
                    help="how the agent reaches the policy (the default topology uses the gateway; 'bus' "
                         "skips the HTTP layer, which on 2 cores costs a third of the throughput)")
     args = p.parse_args()
+    if args.parallel < 1:
+        p.error("--parallel: at least 1")
     if args.combine:
         return report(load_pairs(args.combine))
     if not (args.model / "config.json").exists():
@@ -269,18 +277,26 @@ def load_pairs(folders: list[Path]) -> dict[int, dict]:
 
 def repeated(args, base: dict, seeds: list[int]) -> int:
     """One pair of runs (async then sync) per seed (model.seed and agent.seed), then ``report``."""
-    pairs = {}
-    for k in seeds:
-        pair = {}
-        for mode in args.modes:
-            topo = json.loads(json.dumps(base))
-            topo.setdefault("model", {})["seed"] = k
-            topo.setdefault("agent", {})["seed"] = k
-            pair[mode] = run_mode(mode, topo, args.model.resolve(), args.keep_logs, tag=f"-seed{k}",
-                                  async_steps=args.async_steps)
-        if args.save:
-            save_runs(args.save, pair, k)
-        pairs[k] = pair
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(job: tuple[int, str]) -> dict:
+        k, mode = job
+        topo = json.loads(json.dumps(base))
+        topo.setdefault("model", {})["seed"] = k
+        topo.setdefault("agent", {})["seed"] = k
+        run = run_mode(mode, topo, args.model.resolve(), args.keep_logs, tag=f"-seed{k}", async_steps=args.async_steps)
+        if args.save:  # each run as it ends: an invocation cut short keeps the runs that finished
+            save_runs(args.save, {mode: run}, k)
+        return run
+
+    jobs = [(k, mode) for k in seeds for mode in args.modes]
+    pairs: dict[int, dict] = {}
+    # Each run is its own supervisord in its own folder (endpoints and weight buffers named after it), so
+    # runs may share a machine: --parallel N runs N at once (on one GPU they share it, so their samples/s
+    # and wall times are not a lone run's; the curves by trained samples are what to compare).
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        for (k, mode), run in zip(jobs, pool.map(one, jobs)):
+            pairs.setdefault(k, {})[mode] = run
     if set(args.modes) != {"async", "sync"}:
         return 0  # one mode: its runs printed above, and saved for --combine with the other's
     return report(pairs)
