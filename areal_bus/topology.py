@@ -108,8 +108,8 @@ class StalenessConfig(_Strict):
                            "first, long ones clumped together and late), and AReaL's admission rule, exact when "
                            "samples finish in admission order, bounds their staleness. The cost is "
                            "head-of-line blocking: a long group holds the finished ones behind it (for "
-                           "GROUP_WAIT_S at most). Asynchronous agents on the bus only (a gateway's sessions "
-                           "end when their clients say).")
+                           "GROUP_WAIT_S, 60 s, at most). Asynchronous mode with agent.via 'bus' (refused with "
+                           "'gateway', whose sessions it does not reorder; nothing to reorder in synchronous mode).")
     lead: Literal["bound", "adaptive"] = Field(
         "bound", description="How far ahead of the trainer rollout may start episodes. 'bound': as far as "
         "staleness_threshold allows (AReaL's rule). 'adaptive': starts at the bound, steps down one version "
@@ -475,6 +475,10 @@ class Topology(_Strict):
         if self.agent.via == "gateway" and (self.replicas("gateway") < 1 or self.agent.framework == "sim"):
             raise ValueError("agent.via 'gateway' needs a gateway node (nodes.gateway) and a real task "
                              "(agent.framework 'guess', 'math' or a task of your own)")
+        if self.staleness.in_order and self.agent.via != "bus":
+            raise ValueError("staleness.in_order orders the bus agent's groups (agent.via 'bus'); with agent.via "
+                             "'gateway' episodes go through the gateway's sessions, which it does not reorder: "
+                             "set agent.via 'bus' or leave in_order out")
         gateway = self.nodes.gateway.config
         if gateway.max_context_tokens is None:  # the engine's sequence length is the gateway's context
             gateway.max_context_tokens = self.rollout_engine.max_len

@@ -136,3 +136,13 @@ def test_per_token_needs_the_drop_and_is_off_by_default():
     assert parse_topology({}).staleness.per_token is False
     with pytest.raises(TopologyError, match=r"per_token applies the bound to each token.*drop_at_consume: true"):
         parse_topology({"staleness": {"drop_at_consume": False, "per_token": True}}, "t.yaml")
+
+
+def test_in_order_is_off_by_default_and_refused_where_no_bus_agent_would_honour_it():
+    assert parse_topology({}).staleness.in_order is False
+    assert parse_topology({"staleness": {"in_order": True}}).staleness.in_order is True
+    gateway = {"agent": {"via": "gateway", "framework": "guess"}, "rollout_engine": {"kind": "torch"},
+               "trainer_engine": {"kind": "torch"}, "nodes": {"gateway": {}}}
+    parse_topology(gateway, "t.yaml")
+    with pytest.raises(TopologyError, match=r"in_order orders the bus agent's groups.*agent.via 'bus'"):
+        parse_topology({**gateway, "staleness": {"in_order": True}}, "t.yaml")
