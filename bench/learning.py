@@ -323,7 +323,7 @@ def report(pairs: dict[int, dict]) -> int:
         n = min(a[-1][0], s[-1][0])
         gaps.append(at_samples(a, n) - at_samples(s, n))
         # The same over every sync evaluation from half those samples on: one evaluation's noise averaged out.
-        later = [(done, v) for done, v in s if n / 2 <= done <= n]
+        later = [(done, v) for done, v in s if n / 2 <= done <= n] or [(n, at_samples(s, n))]  # evals too sparse
         late_gaps.append(sum(at_samples(a, done) - v for done, v in later) / len(later))
         sync_curve = pair["sync"]["curve"]
         for key, target in (("last3", rows["sync"][-1][1]), ("final", sync_curve[-1][2])):
