@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from areal_bus.render import write_conf
+from areal_bus.runend import OUTCOME
 from areal_bus.topology import parse_topology
 
 
@@ -34,6 +35,18 @@ def run_system(topo: dict, name: str, keep: Path | None = None, timeout: float =
     """(records of logs/train_steps.jsonl, wall seconds). ``keep``: copy the logs to keep/name."""
     logs = run_logged(topo, name, keep, timeout)
     return logs.records, logs.wall
+
+
+def check_outcome(log_dir: Path, name: str) -> None:
+    """Raise unless the run ended well. supervisord exits 0 however the run ended (areal_bus/runend.py
+    asks it to shut down); the verdict is in log_dir's outcome file. A run that failed (a node
+    crash-looping, a stalled node) is an error, not a short run whose few records would pass as its result."""
+    try:
+        outcome = json.loads((log_dir / OUTCOME).read_text())
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"{name}: the run left no readable {OUTCOME} ({e})") from None
+    if outcome.get("status") != "ok":
+        raise RuntimeError(f"{name}: {outcome.get('reason') or outcome}")
 
 
 def run_logged(topo: dict, name: str, keep: Path | None = None, timeout: float = 3600) -> RunLogs:
@@ -54,6 +67,7 @@ def run_logged(topo: dict, name: str, keep: Path | None = None, timeout: float =
         wall = time.monotonic() - t0
         if proc.returncode != 0:
             raise RuntimeError(f"{name}: supervisord exited {proc.returncode}")
+        check_outcome(work / "logs", name)
         lines = (work / "logs" / "train_steps.jsonl").read_text().splitlines()
         batch = {f.name[len("rollout_batch-"):-len(".jsonl")]: [json.loads(x) for x in f.read_text().splitlines() if x]
                  for f in sorted((work / "logs").glob("rollout_batch-*.jsonl"))}

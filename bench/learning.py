@@ -284,7 +284,12 @@ def repeated(args, base: dict, seeds: list[int]) -> int:
         topo = json.loads(json.dumps(base))
         topo.setdefault("model", {})["seed"] = k
         topo.setdefault("agent", {})["seed"] = k
-        run = run_mode(mode, topo, args.model.resolve(), args.keep_logs, tag=f"-seed{k}", async_steps=args.async_steps)
+        try:
+            run = run_mode(mode, topo, args.model.resolve(), args.keep_logs, tag=f"-seed{k}",
+                           async_steps=args.async_steps)
+        except RuntimeError as e:  # the run failed (bench/harness.py says why): left out, the others go on
+            print(f"  {mode}-seed{k}: FAILED: {e}", flush=True)
+            return None
         if args.save:  # each run as it ends: an invocation cut short keeps the runs that finished
             save_runs(args.save, {mode: run}, k)
         return run
@@ -296,10 +301,18 @@ def repeated(args, base: dict, seeds: list[int]) -> int:
     # and wall times are not a lone run's; the curves by trained samples are what to compare).
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         for (k, mode), run in zip(jobs, pool.map(one, jobs)):
-            pairs.setdefault(k, {})[mode] = run
+            if run is not None:
+                pairs.setdefault(k, {})[mode] = run
+    failed = [f"{mode}-seed{k}" for k, mode in jobs if mode not in pairs.get(k, {})]
     if set(args.modes) != {"async", "sync"}:
-        return 0  # one mode: its runs printed above, and saved for --combine with the other's
-    return report(pairs)
+        return 1 if failed else 0  # one mode: its runs printed above, and saved for --combine with the other's
+    whole = {k: pair for k, pair in pairs.items() if len(pair) == 2}
+    if failed:
+        print(f"failed, and their seeds left out of the comparison: {' '.join(failed)}", flush=True)
+    if not whole:
+        return 1
+    report(whole)
+    return 1 if failed else 0
 
 
 def report(pairs: dict[int, dict]) -> int:

@@ -21,6 +21,7 @@ import pytest
 from areal_bus.run import StepTail, archive_previous, plain_line, summary
 from areal_bus.runend import (CRASH_LIMIT, CRASH_WINDOW_S, EVENTS, START_TRIES, RunWatch, describe, last_error,
                               outcome_path)
+from bench.harness import check_outcome
 from tests.test_system import ENV, REPO, VENV_BIN, System
 
 EXITED, BACKOFF, FATAL = "PROCESS_STATE_EXITED", "PROCESS_STATE_BACKOFF", "PROCESS_STATE_FATAL"
@@ -195,6 +196,18 @@ def test_a_program_that_fails_every_start_ends_supervisord_within_seconds_and_sa
                                  f"(RuntimeError: no reward model at /models/rm)"), outcome
     assert outcome["reason"] in (tmp_path / "logs" / "supervisor" / "run_end.log").read_text()
     assert took < 30, f"{took:.1f} s"  # supervisord's own startretries=20 backoff would take 3.5 minutes
+    # supervisord itself exited 0: the benchmarks' harness reads the verdict, and a failed run is an error there.
+    assert proc.returncode == 0
+    with pytest.raises(RuntimeError, match=r"^bench-run: run failed: reward-0 could not start .*no reward model"):
+        check_outcome(tmp_path / "logs", "bench-run")
+
+
+def test_the_bench_harness_refuses_a_run_that_left_no_verdict(tmp_path):
+    with pytest.raises(RuntimeError, match=r"^r: the run left no readable run_outcome.json"):
+        check_outcome(tmp_path, "r")
+    (tmp_path / "run_outcome.json").write_text('{"run": "x", "started": "2026')  # cut short
+    with pytest.raises(RuntimeError, match=r"^r: the run left no readable run_outcome.json"):
+        check_outcome(tmp_path, "r")
 
 
 # -- whole runs under supervisord -------------------------------------------------------------------
