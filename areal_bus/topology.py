@@ -288,10 +288,6 @@ class TrainerEngineConfig(_Strict):
                           "(fuses norms, rotary and activations; the first update pays ~10 s of compilation "
                           "on an H200). Worth it on a GPU (+48% at the Qwen2-0.5B shape, bench/RESULTS.md); "
                           "leave off on CPU.")
-    compile_layers_per_graph: int = Field(1, ge=1, le=1024, description="torch, with compile: consecutive "
-                                          "decoder layers compiled as one graph (fewer compiled calls per forward). "
-                                          "Applies in one process with the compute copy and no gradient "
-                                          "checkpointing; elsewhere each layer is its own graph.")
     eps_clip: float = Field(0.2, gt=0, le=1, description="PPO clip range (low side, and high side unless eps_clip_high).")
     eps_clip_high: float | None = Field(None, gt=0, le=10, description="PPO clip range on the high side (DAPO's clip-higher).")
     behav_imp_weight_cap: float | None = Field(5.0, gt=1, description="Tokens whose behaviour importance weight "

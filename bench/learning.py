@@ -12,7 +12,8 @@ Run:   .venv/bin/python bench/learning.py                  (about 4 minutes on 2
        ... --seeds 1 --save DIR    (the pair of seed 1 only; each run's curve and summary as DIR/<mode>-seed1.json,
                                     written as each run ends)
        ... --seeds 3 4 5 6 --parallel 4   (four runs at a time, each its own supervisord; on one GPU they
-                                    share it, so compare their curves by samples, not their speed)
+                                    share it, so compare their curves by samples, not their speed; a run
+                                    that fails, e.g. out of GPU memory, is named and its seed left out)
        .venv/bin/python bench/learning.py --combine DIR1 DIR2   (no runs: the seeds' summary over saved pairs,
                                                            e.g. one pair per GPU call)
 
@@ -182,7 +183,9 @@ def main() -> int:
                    help="with --seeds: run only these modes (e.g. an async variant against a saved sync run)")
     p.add_argument("--parallel", type=int, default=1,
                    help="with --seeds: run this many of the seeds' runs at once (on one GPU they share it: compare "
-                        "their curves by samples, not their speed)")
+                        "their curves by samples, not their speed; and its memory: six SmolLM2 runs of "
+                        "topology/smollm2-math-gpu.yaml overfilled an H200's 140 GiB, a run failing on CUDA "
+                        "out of memory, which is reported and its seed left out)")
     p.add_argument("--save", type=Path, default=None, help="write each run's curve and summary as JSON here")
     p.add_argument("--combine", type=Path, nargs="+", default=None,
                    help="run nothing: the seeds' summary over --save folders of earlier invocations")

@@ -26,8 +26,7 @@ the same random float32 weights (a Hugging Face folder written once per shape).
             trainer_engine.prox_logp_method loglinear (no proximal forward; none counted in MFU either),
             ``+nokeep`` trainer_engine.logit_grad_keep_gib 0 (the lm_head's logits recomputed in backward
             instead of their gradient kept from the forward), ``+chunk8k`` trainer_engine.logit_chunk_tokens
-            8192 (4096 otherwise), ``+padN`` trainer_engine.micro_batch_pad_tokens N, ``+layersN``
-            trainer_engine.compile_layers_per_graph N (with +compile: N layers per compiled graph).
+            8192 (4096 otherwise), ``+padN`` trainer_engine.micro_batch_pad_tokens N.
             Micro-batches are padded as the engine does (--pad-tokens: micro_batch_pad_tokens).
 
 FLOPs (for MFU): 6 N per token (forward + backward, N = parameters with the tied embedding once as the
@@ -156,14 +155,11 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
     '+loglinear' sets trainer_engine.prox_logp_method: loglinear (no proximal forward), '+nokeep'
     trainer_engine.logit_grad_keep_gib: 0 (the head's logits recomputed in backward), '+chunk8k'
     trainer_engine.logit_chunk_tokens: 8192 (else 4096, the default), '+padN' (e.g. +pad256)
-    trainer_engine.micro_batch_pad_tokens N (else --pad-tokens), '+layersN' (with +compile)
-    trainer_engine.compile_layers_per_graph N."""
+    trainer_engine.micro_batch_pad_tokens N (else --pad-tokens)."""
     mp, *flags = variant.split("+")
     pads = [int(f[3:]) for f in flags if f.startswith("pad") and f[3:].isdigit()]
-    runs = [int(f[6:]) for f in flags if f.startswith("layers") and f[6:].isdigit() and int(f[6:]) >= 1]
-    if (set(flags) - {"compile", "loglinear", "nokeep", "chunk8k"} - {f"pad{n}" for n in pads}
-            - {f"layers{n}" for n in runs} or len(pads) > 1 or len(runs) > 1):
-        raise SystemExit(f"--paths: unknown flag in {variant!r} (compile, loglinear, nokeep, chunk8k, padN, layersN)")
+    if set(flags) - {"compile", "loglinear", "nokeep", "chunk8k"} - {f"pad{n}" for n in pads} or len(pads) > 1:
+        raise SystemExit(f"--paths: unknown flag in {variant!r} (compile, loglinear, nokeep, chunk8k, padN)")
     prox = "loglinear" if "loglinear" in flags else "recompute"
     # Today's schema's defaults under the fields set here, so a knob added to the engine later reads its
     # default instead of failing here (the old tree's engine reads the explicit ones).
@@ -177,8 +173,7 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
             micro_batch_tokens=args.micro_tokens, logit_chunk_tokens=8192 if "chunk8k" in flags else 4096,
             micro_batch_pad_tokens=pads[0] if pads else args.pad_tokens, prox_logp_method=prox,
             logit_grad_keep_gib=0 if "nokeep" in flags else None, gradient_checkpointing=args.checkpointing,
-            mixed_precision=mp or "compute_copy", compile="compile" in flags,
-            compile_layers_per_graph=runs[0] if runs else 1, eval_interval=0)}),
+            mixed_precision=mp or "compute_copy", compile="compile" in flags, eval_interval=0)}),
         model=SimpleNamespace(device=str(device), dtype="bfloat16" if device.type == "cuda" else args.cpu_dtype,
                               seed=0, threads=1),
         rollout_engine=SimpleNamespace(temperature=1.0),

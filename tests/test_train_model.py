@@ -5,8 +5,6 @@ that pure bfloat16 loses."""
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 import torch
@@ -430,42 +428,3 @@ def test_an_update_is_cut_into_equal_mini_batches_never_a_tail():
             assert [i for r in parts for i in r] == list(range(count))
             assert len(parts) == -(-count // size)
             assert max(map(len, parts)) <= size and max(map(len, parts)) - min(map(len, parts)) <= 1
-
-
-@pytest.mark.timeout(120)
-def test_layers_compiled_in_runs_compute_what_the_eager_layers_do_and_keep_their_names(tmp_path):
-    """trainer_engine.compile_layers_per_graph: runs of layers as one compiled graph (traced by dynamo
-    and AOTAutograd; inductor's code generation is left to the GPU runs) give the eager model's log-probabilities and gradients, with and without gradient; a run
-    never spans two attention types; the state dict's names are the model's."""
-    import transformers
-
-    from areal_bus.engines.torch_train import compile_layers
-
-    cfg = transformers.Qwen2Config(**{**_COMMON, "num_hidden_layers": 4}, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
-    # transformers' sdpa attention: the CPU varlen path loops over the samples in Python, which dynamo
-    # would break the graph at (on a GPU the varlen kernel is one op).
-    eager, grouped = (PackedLM(load_policy(tmp_path / "m", attn_implementation="sdpa")) for _ in range(2))
-    names = list(grouped.state_dict())
-    compile_layers(grouped, per_graph=2, backend="aot_eager")  # two runs of 2: one graph
-    assert list(grouped.state_dict()) == names
-    for lengths in ([11, 7, 19], [23, 5]):  # two micro-batch lengths: the graphs are dynamic
-        (packed,) = pack(_samples(np.random.default_rng(len(lengths)), lengths), max_tokens=64)
-        want, got = (packed_logprobs(m, packed, chunk=8)[0] for m in (eager, grouped))
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        for m, lp in ((eager, want), (grouped, got)):
-            m.zero_grad()
-            (lp * packed.mask).sum().backward()
-        for (name, a), (_, b) in zip(eager.named_parameters(), grouped.named_parameters()):
-            torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
-        with torch.no_grad():
-            torch.testing.assert_close(packed_logprobs(grouped, packed, chunk=8)[0], want.detach(),
-                                       atol=1e-5, rtol=1e-5)
-    # Layers of another attention type start a run of their own.
-    hybrid = PackedLM(load_policy(tmp_path / "m"))
-    hybrid.lm.config.layer_types = ["full_attention", "sliding_attention", "full_attention", "full_attention"]
-    compile_layers(hybrid, per_graph=4, backend="aot_eager")
-    layers = hybrid.lm.model.layers
-    heads = [i for i, layer in enumerate(layers) if isinstance(layer.__dict__.get("forward"), functools.partial)]
-    assert heads == [0, 1, 2] and [len(layers[i].forward.args[1]) for i in heads] == [1, 1, 2]

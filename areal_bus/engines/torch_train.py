@@ -30,7 +30,6 @@ sequence continues.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import shutil
 import time
@@ -111,10 +110,7 @@ class TorchTrainEngine:
         self.copy = ComputeCopy(self.policy, self.dtype) if self._use_compute_copy() else None
         self.run = self.copy.module if self.copy is not None else self.policy
         if cfg.compile:
-            # Runs of layers as one graph only where nothing hooks each layer: the compute copy is one
-            # process's own, unsharded module.
-            single = self.copy is not None and not cfg.gradient_checkpointing
-            compile_layers(self.run, cfg.compile_layers_per_graph if single else 1)
+            compile_layers(self.run)
         # Ids at or past it index outside the embedding (on a GPU a device-side assert that ends the
         # process): the trainer refuses such trajectories before accepting them.
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
@@ -447,55 +443,14 @@ def logit_grad_keep_gib(configured: float | None, device: torch.device) -> float
     return 1.0
 
 
-def compile_layers(policy: PackedLM, per_graph: int = 1, backend: str = "inductor") -> None:
-    """``torch.compile`` the decoder layers (dynamic shapes: packed micro-batches differ in length), so
+def compile_layers(policy: PackedLM) -> None:
+    """``torch.compile`` each decoder layer (dynamic shapes: packed micro-batches differ in length), so
     the norms, rotary embedding, activations and residual adds around the matmuls fuse into a few
     kernels. The first update pays the compilation (8 s at 0.5B and at 1.5B on an H200, bench/RESULTS.md).
     The whole decoder as one graph had not finished its first update after two minutes at the
-    Qwen2-0.5B shape (bench/RESULTS.md); one layer's graph serves all of them.
-
-    ``per_graph`` > 1: runs of that many consecutive layers of one attention type as one compiled
-    graph (fewer compiled calls per forward, each with its guards and wrapper on the host, and fusion
-    across the layers' seams). Only for a policy no wrapper hooks layer by layer (one process, no
-    sharding, no activation checkpointing): the run's first layer computes the whole run and the others
-    pass their input on. The layers stay where they are, so parameter names and checkpoints do not change.
-    ``backend``: torch.compile's (the CPU tests trace with aot_eager: inductor's C++ builds take minutes)."""
-    decoder = getattr(policy.lm, policy.lm.base_model_prefix)
-    layers = list(decoder.layers)
-    if per_graph <= 1:
-        for layer in layers:
-            layer.compile(dynamic=True, backend=backend)
-        return
-    types = list(getattr(policy.lm.config, "layer_types", None) or ["full_attention"] * len(layers))
-    runs, start = [], 0
-    while start < len(layers):
-        end = start + 1
-        while end < len(layers) and end - start < per_graph and types[end] == types[start]:
-            end += 1
-        runs.append(layers[start:end])
-        start = end
-    # One compiled function for every run: its layers are an argument, so runs of the same length share
-    # a graph (the modules' parameters are inputs, not constants), as the layers do above.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(runs))
-    through = torch.compile(_through_layers, dynamic=True, backend=backend)
-    for run in runs:
-        run[0].forward = functools.partial(_run_layers, through, tuple(run))
-        for layer in run[1:]:
-            layer.forward = _pass_on
-
-
-def _through_layers(layers, hidden_states, *args, **kwargs):
-    for layer in layers:  # the class's forward: the instance's is _run_layers or _pass_on
-        hidden_states = type(layer).forward(layer, hidden_states, *args, **kwargs)
-    return hidden_states
-
-
-def _run_layers(through, layers, hidden_states, *args, **kwargs):
-    return through(layers, hidden_states, *args, **kwargs)
-
-
-def _pass_on(hidden_states, *args, **kwargs):
-    return hidden_states
+    Qwen2-0.5B shape (bench/RESULTS.md); one layer's graph serves all of them."""
+    for layer in getattr(policy.lm, policy.lm.base_model_prefix).layers:
+        layer.compile(dynamic=True)
 
 
 class HeldOutEvaluator:

@@ -1,0 +1,28 @@
+"""bench/trainer.py still drives today's trainer engine: one tiny update on CPU through the script as the
+GPU runs call it. The script builds the engine's topology by hand (the old tree's engine takes it too),
+so a knob the engine starts reading must reach it; it went unnoticed for two sessions once, until a GPU
+call found the script failing."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(180)
+def test_the_trainer_bench_runs_todays_engine_on_cpu():
+    res = subprocess.run([sys.executable, "bench/trainer.py", "--device", "cpu", "--shapes", "tiny",
+                          "--update-tokens", "2000", "--warmup", "0", "--steps", "1", "--median", "200",
+                          "--max-len", "400", "--paths", "engine:compute_copy,engine:compute_copy+loglinear"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = next(line for line in res.stdout.splitlines() if line.startswith("RESULT "))
+    speeds = dict(re.findall(r"tiny_(engine_\w+?)_tokens_per_s=(\S+)", result))
+    assert set(speeds) == {"engine_compute_copy", "engine_compute_copy_loglinear"}, result
+    assert all(float(v) > 0 for v in speeds.values()), (result, res.stdout[-3000:], res.stderr[-3000:])
