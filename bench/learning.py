@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import secrets
+import subprocess
 import sys
 from pathlib import Path
 
@@ -290,8 +291,8 @@ def repeated(args, base: dict, seeds: list[int]) -> int:
         try:
             run = run_mode(mode, topo, args.model.resolve(), args.keep_logs, tag=f"-seed{k}",
                            async_steps=args.async_steps)
-        except RuntimeError as e:  # the run failed (bench/harness.py says why): left out, the others go on
-            print(f"  {mode}-seed{k}: FAILED: {e}", flush=True)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:  # failed (bench/harness.py says why) or hung:
+            print(f"  {mode}-seed{k}: FAILED: {e}", flush=True)    # left out, the others go on
             return None
         if args.save:  # each run as it ends: an invocation cut short keeps the runs that finished
             save_runs(args.save, {mode: run}, k)
