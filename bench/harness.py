@@ -62,8 +62,18 @@ def run_logged(topo: dict, name: str, keep: Path | None = None, timeout: float =
         supervisord = Path(sys.executable).parent / "supervisord"
         if not supervisord.exists():  # installed elsewhere (e.g. pip --target on the GPU host): the PATH's
             supervisord = Path(shutil.which("supervisord") or "supervisord")
-        proc = subprocess.run([str(supervisord), "-c", str(conf)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=timeout)
+        proc = subprocess.Popen([str(supervisord), "-c", str(conf)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:  # hung: SIGTERM makes supervisord stop its programs before it exits
+            proc.terminate()               # (a SIGKILL would leave them running, holding their GPU memory)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
         wall = time.monotonic() - t0
         if proc.returncode != 0:
             raise RuntimeError(f"{name}: supervisord exited {proc.returncode}")
