@@ -16,8 +16,10 @@ Workloads (``--workload``):
             from a lognormal (``--median 500 --sigma 0.8``, clipped ``--min-len 200 --max-len 3000``),
             eos ignored, so the lengths are real generated tokens.
 
-Runs (``--runs``, each ``MODE[:STALENESS[:DROP[:LEAD]]]``, e.g. ``async:2:true async:2:false async:4 sync``,
-``async:2:true:adaptive`` for staleness.lead adaptive;
+Runs (``--runs``, each ``MODE[:STALENESS[:DROP[:LEAD[:ORDER]]]]``, e.g. ``async:2:true async:2:false async:4
+sync``, ``async:2:true:adaptive`` for staleness.lead adaptive, ``async:2:true:bound:in_order`` for
+staleness.in_order (ORDER ``arrival``, the default, or ``in_order``: each agent hands its groups on in
+admission order);
 default: every --modes x --staleness x --drop-at-consume, sync once; sync runs first): DROP is
 ``staleness.drop_at_consume`` (README: Knobs); a synchronous run has neither. Every async run's ratio
 is over the sync run of the same invocation. Samples/s and tokens/s (generated tokens) count what the
@@ -95,18 +97,20 @@ class Run:
     staleness: int
     drop: bool
     lead: str = "bound"  # staleness.lead: bound | adaptive
+    in_order: bool = False  # staleness.in_order
 
     @property
     def name(self) -> str:
         lead = "" if self.lead == "bound" else f"_{self.lead}"
-        return "sync" if self.mode == "sync" else f"async_s{self.staleness}_{'drop' if self.drop else 'keep'}{lead}"
+        order = "_in_order" if self.in_order else ""
+        return "sync" if self.mode == "sync" else f"async_s{self.staleness}_{'drop' if self.drop else 'keep'}{lead}{order}"
 
     @property
     def label(self) -> str:
         if self.mode == "sync":
             return "sync"
         lead = "" if self.lead == "bound" else f" {self.lead}"
-        return f"async s{self.staleness} {'drop' if self.drop else 'keep'}{lead}"
+        return f"async s{self.staleness} {'drop' if self.drop else 'keep'}{lead}{' in_order' if self.in_order else ''}"
 
 
 def parse_runs(args) -> list[Run]:
@@ -119,12 +123,13 @@ def parse_runs(args) -> list[Run]:
         runs = []
         for spec in args.runs:
             parts = spec.split(":")
-            if parts[0] not in ("async", "sync") or len(parts) > 4 or (len(parts) > 3 and parts[3] not in ("bound", "adaptive")):
-                raise SystemExit(f"--runs {spec!r}: MODE[:STALENESS[:DROP[:LEAD]]] with MODE async or sync, "
-                                 f"LEAD bound or adaptive")
+            if (parts[0] not in ("async", "sync") or len(parts) > 5 or (len(parts) > 3 and parts[3] not in ("bound", "adaptive"))
+                    or (len(parts) > 4 and parts[4] not in ("arrival", "in_order"))):
+                raise SystemExit(f"--runs {spec!r}: MODE[:STALENESS[:DROP[:LEAD[:ORDER]]]] with MODE async or sync, "
+                                 f"LEAD bound or adaptive, ORDER arrival or in_order")
             staleness = int(parts[1]) if len(parts) > 1 else args.staleness[0]
             runs.append(Run(parts[0], staleness, flag(parts[2]) if len(parts) > 2 else True,
-                            parts[3] if len(parts) > 3 else "bound"))
+                            parts[3] if len(parts) > 3 else "bound", len(parts) > 4 and parts[4] == "in_order"))
         return runs
     runs = [Run("async", s, flag(d)) for s in args.staleness for d in args.drop_at_consume] if "async" in args.modes else []
     return runs + ([Run("sync", 0, True)] if "sync" in args.modes else [])
@@ -140,7 +145,7 @@ def topology(model: Path, run: Run, args) -> dict:
     topo = yaml.safe_load((ROOT / "topology" / "default.yaml").read_text())
     topo.update(
         name=f"e2e-{run.name}", rollout_workers=1, max_steps=args.steps, staleness_threshold=run.staleness,
-        staleness={"drop_at_consume": run.drop, "lead": run.lead},
+        staleness={"drop_at_consume": run.drop, "lead": run.lead, "in_order": run.in_order and run.mode == "async"},
         queue_max_size=4 * args.batch, trigger_batch_size=args.trigger or args.batch // 2, global_batch_size=args.batch,
         mini_batch_size=args.batch // 2, logging={"log_dir": "logs", "log_interval": 5, "save_interval": 0},
         model={"path": str(model), "dtype": args.dtype, "device": args.device, "trainer_device": args.trainer_device,
@@ -253,7 +258,7 @@ def main() -> int:
     ap.add_argument("--staleness", type=int, nargs="+", default=[2], help="staleness_threshold(s) of the async runs")
     ap.add_argument("--drop-at-consume", nargs="+", default=["true"], help="staleness.drop_at_consume: true, false or both")
     ap.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
-    ap.add_argument("--runs", nargs="+", default=None, help="MODE[:STALENESS[:DROP[:LEAD]]] ... (overrides the three above)")
+    ap.add_argument("--runs", nargs="+", default=None, help="MODE[:STALENESS[:DROP[:LEAD[:ORDER]]]] ... (overrides the three above)")
     ap.add_argument("--rollout-batch", type=int, default=256, help="the rollout engine's max_batch")
     ap.add_argument("--agents", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=8, help="GRPO group (samples per prompt)")
@@ -300,7 +305,7 @@ def bench(args, runs: list[Run], work: Path) -> int:
           f"({args.dtype}); {lengths}; global batch {args.batch}, trigger {args.trigger or args.batch // 2}, "
           f"{args.agents} agents, {args.steps} updates per run, first {args.skip} left out; rollout engine "
           f"{args.engine}, max_batch {args.rollout_batch}", flush=True)
-    print(f"{'run':18s} {'samples/s':>9s} {'tokens/s':>9s} {'ratio':>5s} {'busy':>5s} {'running batch':>20s} "
+    print(f"{'run':23s} {'samples/s':>9s} {'tokens/s':>9s} {'ratio':>5s} {'busy':>5s} {'running batch':>20s} "
           f"{'<half':>5s}  {'dropped':>12s} {'over_bound':>10s} {'gen tok/s idle/train':>20s}  staleness histogram "
           f"(counted updates)", flush=True)
     results: dict[Run, Summary] = {}
@@ -316,7 +321,7 @@ def bench(args, runs: list[Run], work: Path) -> int:
         sync = next((v for r, v in results.items() if r.mode == "sync"), None)
         ratio = f"{s.sps / sync.sps:5.2f}" if sync is not None and run.mode == "async" else "    -"
         seen = s.trained + s.dropped
-        print(f"{run.label:18s} {s.sps:9.1f} {s.tps:9.0f} {ratio} {100 * s.busy:4.0f}% {s.batch:>20s} "
+        print(f"{run.label:23s} {s.sps:9.1f} {s.tps:9.0f} {ratio} {100 * s.busy:4.0f}% {s.batch:>20s} "
               f"{100 * s.below_half:4.0f}%  {s.dropped:5d} ({100 * s.dropped / max(1, seen):3.0f}%) {s.over_bound:10d} "
               f"{f'{s.gen_idle:.0f}/{s.gen_train:.0f}':>20s}  "
               f"{' '.join(f'{k}:{v}' for k, v in s.staleness.items())}   ({s.samples} samples in {s.span:.1f} s; "

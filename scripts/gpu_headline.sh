@@ -17,6 +17,8 @@
 #     ENGINE=vllm bash scripts/gpu_headline.sh     (vLLM, once scripts/gpu_vllm.sh has installed it into
 #                                                  /tmp/site: a second command, it does not fit in the first's 10 minutes)
 #     SHAPE=1.5b RUNS="sync async:2:true" bash scripts/gpu_headline.sh
+#     RUNS="sync async:2:true async:2:true:bound:in_order" bash scripts/gpu_headline.sh   (staleness.in_order
+#                                                  against arrival order, the speed side of the SmolLM2 runs)
 # Knobs (environment): ENGINE torch|vllm, SHAPE 0.5b|1.5b, RUNS, STEPS (8), SKIP (2), AGENTS (4), EXTRA
 # (more bench/gpu_e2e.py arguments), HEADLINE_TIMEOUT (560 s, the whole), RUN_TIMEOUT (300 s, each run).
 # Output: $OUT (default ./gpu_logs)/headline.log and headline/<run>.json.
