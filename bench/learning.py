@@ -283,7 +283,7 @@ def repeated(args, base: dict, seeds: list[int]) -> int:
     """One pair of runs (async then sync) per seed (model.seed and agent.seed), then ``report``."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def one(job: tuple[int, str]) -> dict:
+    def one(job: tuple[int, str]) -> dict | None:
         k, mode = job
         topo = json.loads(json.dumps(base))
         topo.setdefault("model", {})["seed"] = k
