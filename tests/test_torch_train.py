@@ -33,12 +33,14 @@ def _topo(model_dir, **over):
     return parse_topology(data)
 
 
-def _episodes(model_dir, n=8, group=4):
-    """Real completions from the engine, as the agent would record them (one turn each)."""
+def _episodes(model_dir, n=8, group=4, outputs=None):
+    """Real completions from the engine, as the agent would record them (one turn each); ``outputs``:
+    each one's length (6 tokens each otherwise)."""
     engine = TorchRolloutEngine(model_dir, max_batch=n, max_len=64, eos_token_ids=[], seed=1)
     prompts = np.random.default_rng(0).integers(1, 50, (n // group, 6)).astype(np.int32)
     for i in range(n):
-        engine.add_request(GenerateRequest(f"r{i}", f"e{i}", i, 0, 6, 1.0, prompts[i // group], group_id=f"g{i // group}"))
+        engine.add_request(GenerateRequest(f"r{i}", f"e{i}", i, 0, outputs[i] if outputs else 6, 1.0,
+                                           prompts[i // group], group_id=f"g{i // group}"))
     done = []
     while len(done) < n:
         done += engine.step()
@@ -254,6 +256,24 @@ def test_padded_micro_batches_make_the_same_update(model_dir):
         engine = TorchTrainEngine(topo, model_dir)
         assert engine.pad_to == pad
         runs.append(_trained(engine, trajs))
+    _assert_same_update(*runs)
+
+
+def test_micro_batches_regrouped_to_pad_less_make_the_same_update(model_dir):
+    """With padding, a mini-batch's samples are grouped into micro-batches to need less of it (not in
+    their order): the update is the unpadded one in order."""
+    from areal_bus.packing import _groups
+
+    outputs = [2, 3, 9, 2, 8, 1, 4, 3]  # + 6 prompt tokens: 8 9 15 8 | 14 7 10 9
+    lengths = [6 + n for n in outputs]
+    for mb in (lengths[:4], lengths[4:]):
+        assert _groups(mb, 24, pad_to=8) != _groups(mb, 24)  # regrouped: the case under test
+    trajs = _episodes(model_dir, outputs=outputs)
+    assert [t.prompt_ids.size + t.output_ids.size for t in trajs] == lengths
+    runs = []
+    for pad in (1, 8):
+        topo = _topo(model_dir, trainer_engine={"kind": "torch", "micro_batch_tokens": 24, "micro_batch_pad_tokens": pad})
+        runs.append(_trained(TorchTrainEngine(topo, model_dir), trajs))
     _assert_same_update(*runs)
 
 

@@ -119,6 +119,30 @@ def test_packing_balances_micro_batches_without_adding_any():
         assert max(sizes) <= max(sum(lengths[i] for i in g) for g in filled)
 
 
+def test_padded_packing_regroups_samples_to_pad_less():
+    """With pad_to > 1 a mini-batch's samples are regrouped so that every micro-batch but one ends just
+    short of a multiple of pad_to: as many micro-batches as in order, none over the cap, every sample
+    once, never more padding than in order, and over the seed's lengths much less."""
+    from areal_bus.packing import _groups, _padding
+
+    assert _groups([4, 5, 3, 4], 9) == [[0, 1], [2, 3]]  # in order: 9 and 7, padded to 16 and 8
+    assert _groups([4, 5, 3, 4], 9, pad_to=8) == [[0, 3], [1, 2]]  # 8 and 8: no padding
+    parts = pack(_samples(np.random.default_rng(1), [4, 5, 3, 4]), max_tokens=9, pad_to=8)
+    assert [p.tokens for p in parts] == [8, 8] and [[r[0] for r in p.rows] for p in parts] == [[0, 3], [1, 2]]
+    rng = np.random.default_rng(0)
+    saved = padded_in_order = 0
+    for _ in range(200):
+        lengths = [int(n) for n in np.clip(rng.lognormal(np.log(500), 0.8, rng.integers(1, 40)), 200, 3000)]
+        cap, pad = int(rng.integers(3000, 20000)), int(rng.choice([64, 256, 1024]))
+        groups, in_order = _groups(lengths, cap, pad), _groups(lengths, cap)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        assert len(groups) == len(in_order) and all(sum(lengths[i] for i in g) <= cap for g in groups)
+        assert _padding(lengths, groups, pad) <= _padding(lengths, in_order, pad)
+        saved += _padding(lengths, in_order, pad) - _padding(lengths, groups, pad)
+        padded_in_order += _padding(lengths, in_order, pad)
+    assert saved > padded_in_order / 4
+
+
 def test_chunked_logprobs_equal_whole_logits_and_their_gradients(tmp_path):
     _save_random("qwen2", tmp_path / "m")
     model = load_policy(tmp_path / "m")
