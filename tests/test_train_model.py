@@ -141,6 +141,12 @@ def test_padded_packing_regroups_samples_to_pad_less():
         saved += _padding(lengths, in_order, pad) - _padding(lengths, groups, pad)
         padded_in_order += _padding(lengths, in_order, pad)
     assert saved > padded_in_order / 4
+    # A mini-batch of hundreds of micro-batches (each group's subset sum is over a bounded pool)
+    lengths = [int(n) for n in np.clip(rng.lognormal(np.log(8000), 0.8, 2048), 50, 32000)]
+    groups, in_order = _groups(lengths, 65536, 1024), _groups(lengths, 65536)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths))) and len(groups) == len(in_order) > 300
+    assert all(sum(lengths[i] for i in g) <= 65536 for g in groups)
+    assert _padding(lengths, groups, 1024) < _padding(lengths, in_order, 1024) / 10
 
 
 def test_chunked_logprobs_equal_whole_logits_and_their_gradients(tmp_path):
