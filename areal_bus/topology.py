@@ -256,9 +256,9 @@ class TrainerEngineConfig(_Strict):
                                                "padded to a multiple of this many tokens (a masked segment of its "
                                                "own), so a GPU's matmuls meet a few row counts again and again: "
                                                "cuBLAS chooses a kernel for each new one, ~5 ms during which the "
-                                               "GPU waits (bench/RESULTS.md). A mini-batch's samples are grouped "
-                                               "into micro-batches that need little of it. None: 1024 on CUDA, 1 "
-                                               "(no padding) on CPU.")
+                                               "GPU waits (bench/RESULTS.md). Mini-batches trade a few boundary "
+                                               "samples and group their micro-batches to need little of it. None: "
+                                               "1024 on CUDA, 1 (no padding) on CPU.")
     logit_chunk_tokens: int = Field(4096, ge=16, le=1_000_000, description="torch: positions whose logits exist at "
                                     "once; the lm_head runs chunk by chunk, forward and backward, so no "
                                     "[tokens, vocab] float32 tensor is ever whole.")

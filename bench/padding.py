@@ -4,8 +4,10 @@ The trainer pads each micro-batch to a multiple of ``trainer_engine.micro_batch_
 GPU) so that cuBLAS sees a few row counts again and again (areal_bus/packing.py). Padding is computed
 like any token but trains nothing, so it is tokens/s lost one for one. This prints, for each micro-batch
 cap and padding multiple, the padding as a share of the real tokens, the micro-batches per update and the
-distinct padded lengths (the row counts cuBLAS meets), with the samples grouped in their order (the
-trainer before 2026-12-04's session 18) and as ``packing._groups`` groups them now (regrouped to pad less).
+distinct padded lengths (the row counts cuBLAS meets): with the samples grouped in their order (the
+trainer before 2026-12-04's session 18), regrouped within each mini-batch (``packing._groups``), and with
+the mini-batches' totals aligned too (``packing.mini_batch_members``, then regrouped: what the trainer
+does now).
 
 Workload: bench/trainer.py's (``make_updates``: lengths lognormal, median 500, sigma 0.8, clipped to
 200..3,000, ~65,536 tokens per update in 4 equal mini-batches).
@@ -23,18 +25,21 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from areal_bus.packing import _groups  # noqa: E402
+from areal_bus.packing import _groups, mini_batch_members  # noqa: E402
 from bench.trainer import make_updates, mini_batches  # noqa: E402
 
 
-def measure(lengths_per_update: list[list[int]], mini: int, cap: int, pad: int, regroup: bool) -> dict:
+def measure(lengths_per_update: list[list[int]], mini: int, cap: int, pad: int, how: str) -> dict:
+    """how: 'in order' | 'regrouped' (within each mini-batch) | 'aligned' (mini-batch totals too)."""
     real = padded = micro = 0
     shapes: set[int] = set()
     t0 = time.perf_counter()
     for lengths in lengths_per_update:
-        for mb in mini_batches([{"n": n} for n in lengths], mini):
-            sizes = [s["n"] for s in mb]
-            for group in _groups(sizes, cap, pad if regroup else 1):
+        size = len(mini_batches([{}] * len(lengths), mini)[0])  # the engine's mini_batch_size for this update
+        members = mini_batch_members(lengths, size, pad if how == "aligned" else 1)
+        for mb in members:
+            sizes = [lengths[i] for i in mb]
+            for group in _groups(sizes, cap, 1 if how == "in order" else pad):
                 n = sum(sizes[i] for i in group)
                 real, padded, micro = real + n, padded + -(-n // pad) * pad, micro + 1
                 shapes.add(-(-n // pad) * pad)
@@ -55,14 +60,14 @@ def main() -> int:
                            min_len=200, max_len=3000)
     lengths = [[int(s["ids"].size) for s in u] for u in make_updates(draw, vocab=2)]
     print(f"# {args.updates} updates of bench/trainer.py's workload, {args.mini_batches} mini-batches each")
-    print(f"{'cap':>6} {'pad':>5}  {'in order':>9} {'regrouped':>9}  {'micro/update':>12} {'shapes':>6} "
-          f"{'host ms/update':>14}")
+    print(f"{'cap':>6} {'pad':>5}  {'in order':>9} {'regrouped':>9} {'aligned':>9}  {'micro/update':>12} "
+          f"{'shapes':>6} {'host ms/update':>14}")
     for cap in args.caps:
         for pad in args.pads:
-            before = measure(lengths, args.mini_batches, cap, pad, regroup=False)
-            after = measure(lengths, args.mini_batches, cap, pad, regroup=True)
-            print(f"{cap:>6} {pad:>5}  {before['padding']:>9.2%} {after['padding']:>9.2%}  {after['micro']:>12.2f} "
-                  f"{after['shapes']:>6} {after['host_ms']:>14.2f}")
+            r = {how: measure(lengths, args.mini_batches, cap, pad, how) for how in ("in order", "regrouped", "aligned")}
+            now = r["aligned"]
+            print(f"{cap:>6} {pad:>5}  {r['in order']['padding']:>9.2%} {r['regrouped']['padding']:>9.2%} "
+                  f"{now['padding']:>9.2%}  {now['micro']:>12.2f} {now['shapes']:>6} {now['host_ms']:>14.2f}")
     return 0
 
 

@@ -219,6 +219,18 @@ def make_path(name: str, cfg: dict, args, device):
     return EnginePath(cfg, args, device, variant or "compute_copy", old=kind == "old")
 
 
+def first_mini_batch(path, samples: list[dict], k: int) -> set[int]:
+    """The samples of an update's first mini-batch as the path's engine makes it: the first equal part,
+    or, where the engine's tree has ``packing.mini_batch_members`` (since 2026-12-04), its members (on a
+    padded GPU path neighbouring mini-batches trade a few samples)."""
+    size = math.ceil(len(samples) / k)
+    engine = getattr(path, "engine", None)
+    members = getattr(sys.modules.get(type(engine).__module__), "mini_batch_members", None) if engine else None
+    if members is None:
+        return set(range(len(mini_batches(samples, k)[0])))
+    return set(members([int(s["ids"].size) for s in samples], size, engine.pad_to)[0])
+
+
 def measure(name: str, cfg: dict, updates, args, device) -> dict:
     torch.manual_seed(0)
     if device.type == "cuda":
@@ -267,9 +279,9 @@ def measure(name: str, cfg: dict, updates, args, device) -> dict:
     tokens = sum(s["ids"].size for u in timed for s in u)
     sq = sum(int(s["ids"].size) ** 2 for u in timed for s in u)
     n_params = sum(p.numel() for p in engine.model.parameters())  # a tied embedding once
-    # The proximal forward is counted for the samples after each update's first mini-batch only: today's
+    # The proximal forward is counted for the samples outside each update's first mini-batch only: today's
     # engine takes the first one's from its training forward, so the old engines' extra pass is not work.
-    later = [s for u in timed for s in u[len(mini_batches(u, args.mini_batches)[0]):]]
+    later = [s for u in timed for i, s in enumerate(u) if i not in first_mini_batch(engine, u, args.mini_batches)]
     if "loglinear" in name:  # no proximal forward at all
         later = []
     proximal = (sum(s["ids"].size for s in later), sum(int(s["ids"].size) ** 2 for s in later))

@@ -277,6 +277,26 @@ def test_micro_batches_regrouped_to_pad_less_make_the_same_update(model_dir):
     _assert_same_update(*runs)
 
 
+def test_mini_batches_aligned_to_the_padding_make_the_update_of_their_members(model_dir):
+    """With padding, neighbouring mini-batches trade samples so their totals need less of it: the update
+    is the unpadded one whose in-order mini-batches are those members (the optimizer steps see the
+    samples the alignment chose, and nothing else changes)."""
+    from areal_bus.packing import mini_batch_members
+
+    outputs = [2, 3, 9, 3, 8, 1, 4, 2]  # + 6 prompt tokens: 8 9 15 9 | 14 7 10 8
+    lengths = [6 + n for n in outputs]
+    members = mini_batch_members(lengths, 4, pad_to=8)
+    assert members != [[0, 1, 2, 3], [4, 5, 6, 7]]  # traded: the case under test
+    trajs = _episodes(model_dir, outputs=outputs)
+    cfg = lambda pad: {"kind": "torch", "micro_batch_tokens": 64, "micro_batch_pad_tokens": pad}
+    aligned = _trained(TorchTrainEngine(_topo(model_dir, trainer_engine=cfg(8)), model_dir), trajs)
+    reordered = [trajs[i] for m in members for i in m]
+    in_order = _trained(TorchTrainEngine(_topo(model_dir, trainer_engine=cfg(1)), model_dir), reordered)
+    _assert_same_update(aligned, in_order)
+    unaligned = _trained(TorchTrainEngine(_topo(model_dir, trainer_engine=cfg(1)), model_dir), trajs)
+    assert not torch.allclose(unaligned[1], aligned[1], atol=1e-6, rtol=1e-5)  # the members matter
+
+
 def test_kept_logit_gradients_make_the_same_update(model_dir):
     """trainer_engine.logit_grad_keep_gib: the head's logit gradients made in the forward and kept
     (default on CPU: 1 GiB) or recomputed in backward (0): the same update."""

@@ -10,7 +10,9 @@ version)`` is one policy update (one version):
      only, the behaviour log-probabilities the engine recorded): the form the parallel ranks receive;
   3. each mini-batch's rows (this rank's share) are packed without padding into micro-batches of at most
      ``micro_batch_tokens`` tokens (attention within each sample: ``train_model.VARLEN``); the lm_head
-     runs on the loss's tokens only (prompts and tool outputs skip it: ``pack(loss_only=True)``);
+     runs on the loss's tokens only (prompts and tool outputs skip it: ``pack(loss_only=True)``); on a
+     GPU each is rounded up to a multiple of ``micro_batch_pad_tokens``, and the mini-batches' members
+     and micro-batches are chosen to need little of it (``packing.mini_batch_members``, ``pack``);
   4. proximal log-probabilities are recomputed once, with the weights as they stand before this update
      (the entropy of the policy is logged from the same pass); the first mini-batch's training forward,
      made before any optimizer step, is its own proximal pass (``trainer_engine.prox_logp_method:
@@ -41,7 +43,7 @@ import torch
 from areal_bus.loss import decoupled_ppo_loss, grpo_advantages, kl_penalty, loglinear_proximal, masked_mean
 from areal_bus.messages import Trajectory
 from areal_bus.modeling import as_dtype
-from areal_bus.packing import Packed, mini_batches, pack_rows
+from areal_bus.packing import Packed, mini_batch_members, mini_batches, pack_rows
 from areal_bus.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, load_policy, packed_logprobs,
                                    save_weights)
 
@@ -294,7 +296,11 @@ class TorchTrainEngine:
         averaged over."""
         rank, world = self._data_shard()
         B = data["ids"].shape[0]
-        batches = [torch.arange(r.start, r.stop) for r in mini_batches(B, self.mini_batch)]  # equal parts, no tail
+        if world == 1:  # equal parts, no tail; padded, neighbours trade samples to need less padding
+            members = mini_batch_members(data["attn"].sum(1).tolist(), self.mini_batch, self.pad_to)
+        else:  # a rank's rows of a mini-batch make one micro-batch: nothing to align
+            members = [list(r) for r in mini_batches(B, self.mini_batch)]
+        batches = [torch.tensor(m, dtype=torch.long) for m in members]
         ent_tokens = sum(float(data["mask"][mb[rank::world]].sum()) for mb in batches)
         return _Plans(lambda k: self._plan(data, batches[k], rank, world), len(batches)), ent_tokens
 
