@@ -90,17 +90,19 @@ next one's first."""
 def mini_batch_members(lengths: list[int], size: int, pad_to: int = 1) -> list[list[int]]:
     """The update's samples (their token counts, in order) as the PPO mini-batches of ``mini_batches``:
     as many, of the same sizes; with ``pad_to`` > 1 up to ``SWAP_WINDOW`` samples at each boundary
-    trade places, so that every mini-batch but the last totals just short of a multiple of ``pad_to``:
-    each mini-batch ends, counted in tokens from the update's start, within ``pad_to`` of where it ends
-    in order (its total within twice that of its total in order). Each mini-batch's micro-batches are padded to such
-    multiples and regrouped so that all but one end just short of one (``_pad_aware``); what a
-    mini-batch's own total leaves over is padding no grouping inside it can remove, and with the totals
-    aligned only the last mini-batch's is left. On the seed's lengths at 16k micro-batches padded to
-    1,024: 3.2% of the real tokens padding -> 1.1% (``bench/padding.py``).
+    trade places, so that every mini-batch but the last totals just short of a multiple of ``pad_to``.
+    Each mini-batch ends, counted in tokens from the update's start, within ``pad_to`` of where it ends
+    in order (its total within twice that of its total in order), and no sample lands more than one
+    mini-batch from its own. A mini-batch's micro-batches are padded to such multiples and grouped so
+    that all but one end just short of one (``_pad_aware``); what the mini-batch's own total leaves
+    over no grouping inside it can remove, and with the totals aligned only the last mini-batch's is
+    left. On the seed's lengths at 16k micro-batches padded to 1,024: padding 3.2% of the real tokens
+    -> 1.1% (``bench/padding.py``).
 
-    Which samples share a mini-batch changes which optimizer step they are in, not the objective: the
+    Which samples share a mini-batch changes which optimizer step trains them, not the objective: the
     advantages are the whole update's (its GRPO groups), each step averages over as many samples, and
-    the swaps stay between neighbours (AReaL balances its mini-batches' tokens the same way, more)."""
+    a trade is between neighbours (AReaL goes further: it balances its mini-batches' tokens over all
+    the samples)."""
     parts = [list(r) for r in mini_batches(len(lengths), size)]
     if pad_to <= 1 or len(parts) <= 1:
         return parts

@@ -64,7 +64,8 @@ def main() -> int:
           f"{'shapes':>6} {'host ms/update':>14}")
     for cap in args.caps:
         for pad in args.pads:
-            r = {how: measure(lengths, args.mini_batches, cap, pad, how) for how in ("in order", "regrouped", "aligned")}
+            r = {how: measure(lengths, args.mini_batches, cap, pad, how)
+                 for how in ("in order", "regrouped", "aligned")}
             now = r["aligned"]
             print(f"{cap:>6} {pad:>5}  {r['in order']['padding']:>9.2%} {r['regrouped']['padding']:>9.2%} "
                   f"{now['padding']:>9.2%}  {now['micro']:>12.2f} {now['shapes']:>6} {now['host_ms']:>14.2f}")

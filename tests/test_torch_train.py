@@ -272,7 +272,8 @@ def test_micro_batches_regrouped_to_pad_less_make_the_same_update(model_dir):
     assert [t.prompt_ids.size + t.output_ids.size for t in trajs] == lengths
     runs = []
     for pad in (1, 8):
-        topo = _topo(model_dir, trainer_engine={"kind": "torch", "micro_batch_tokens": 24, "micro_batch_pad_tokens": pad})
+        engine_cfg = {"kind": "torch", "micro_batch_tokens": 24, "micro_batch_pad_tokens": pad}
+        topo = _topo(model_dir, trainer_engine=engine_cfg)
         runs.append(_trained(TorchTrainEngine(topo, model_dir), trajs))
     _assert_same_update(*runs)
 
