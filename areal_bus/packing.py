@@ -6,7 +6,10 @@ attention (``train_model.VARLEN``) takes so that attention never crosses samples
 computed (transformers' own packed path, sdpa with position ids alone, derives the same block-diagonal
 mask from the position ids). Written by hand because no library packs RL trajectories with their
 per-token loss weights, behaviour log-probabilities, advantages and staleness, and names the tokens
-the loss reads (``loss_only``: the lm_head runs on those alone).
+the loss reads (``loss_only``: the lm_head runs on those alone). On a GPU micro-batches are padded to a
+few lengths for cuBLAS's sake; which samples make each mini-batch (``mini_batch_members``) and each
+micro-batch (``_pad_aware``) is chosen to need little of that padding, a subset-sum search done by hand
+too (AReaL's and verl's balancers even out token counts, which is another goal).
 
 Quick check::
 
