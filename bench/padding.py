@@ -18,6 +18,7 @@ Run:  .venv/bin/python bench/padding.py [--updates 200] [--caps 16384 32768] [--
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from areal_bus.packing import _groups, mini_batch_members  # noqa: E402
-from bench.trainer import make_updates, mini_batches  # noqa: E402
+from bench.trainer import make_updates  # noqa: E402
 
 
 def measure(lengths_per_update: list[list[int]], mini: int, cap: int, pad: int, how: str) -> dict:
@@ -35,7 +36,7 @@ def measure(lengths_per_update: list[list[int]], mini: int, cap: int, pad: int, 
     shapes: set[int] = set()
     t0 = time.perf_counter()
     for lengths in lengths_per_update:
-        size = len(mini_batches([{}] * len(lengths), mini)[0])  # the engine's mini_batch_size for this update
+        size = math.ceil(len(lengths) / mini)  # the mini_batch_size bench/trainer.py gives the engine
         members = mini_batch_members(lengths, size, pad if how == "aligned" else 1)
         for mb in members:
             sizes = [lengths[i] for i in mb]
