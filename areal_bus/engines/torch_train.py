@@ -43,7 +43,7 @@ import torch
 from areal_bus.loss import decoupled_ppo_loss, grpo_advantages, kl_penalty, loglinear_proximal, masked_mean
 from areal_bus.messages import Trajectory
 from areal_bus.modeling import as_dtype
-from areal_bus.packing import Packed, mini_batch_members, mini_batches, pack_rows
+from areal_bus.packing import Packed, mini_batch_members, pack_rows
 from areal_bus.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, load_policy, packed_logprobs,
                                    save_weights)
 
@@ -295,11 +295,9 @@ class TorchTrainEngine:
         tokens (packed when first asked for: ``_Plans``); and how many loss tokens this rank's entropy is
         averaged over."""
         rank, world = self._data_shard()
-        B = data["ids"].shape[0]
-        if world == 1:  # equal parts, no tail; padded, neighbours trade samples to need less padding
-            members = mini_batch_members(data["attn"].sum(1).tolist(), self.mini_batch, self.pad_to)
-        else:  # a rank's rows of a mini-batch make one micro-batch: nothing to align
-            members = [list(r) for r in mini_batches(B, self.mini_batch)]
+        # Equal parts, no tail; padded, neighbours trade samples to need less padding (not with dp > 1: a
+        # rank's rows of a mini-batch make one micro-batch, whose total no trade aligns).
+        members = mini_batch_members(data["attn"].sum(1).tolist(), self.mini_batch, self.pad_to if world == 1 else 1)
         batches = [torch.tensor(m, dtype=torch.long) for m in members]
         ent_tokens = sum(float(data["mask"][mb[rank::world]].sum()) for mb in batches)
         return _Plans(lambda k: self._plan(data, batches[k], rank, world), len(batches)), ent_tokens
