@@ -214,3 +214,68 @@ class Admission:
         """Slots of episodes that will never be trained on (dropped as stale) return to the pool."""
         self.admitted -= n
         self.returned += n
+
+    @classmethod
+    def of(cls, topo, source: str) -> Admission:
+        """The admission state of ``source`` (an agent's or gateway's name, e.g. ``agent-0``) in ``topo``:
+        all its sources share the rule's batch."""
+        sources = topo.admission_sources()
+        return cls(topo.effective_staleness, topo.effective_trigger, len(sources), sources.index(source),
+                   max_batch=topo.global_batch_size, adaptive=topo.staleness.lead == "adaptive")
+
+
+def group_stall(topo) -> str | None:
+    """Why ``topo``'s episode sources could stop the run for good, or None. A bus agent admits a GRPO
+    group (agent.group_size episodes) whole or not at all, so of its share of the rule's allowance it
+    uses only whole groups (a gateway admits session by session and uses all of its share). Where the
+    whole groups cannot add up to what the trainer waits for, rollout waits for an update that waits
+    for rollout, and nothing says so:
+
+    - before the first update (AReaL's form: staleness + 1 shares of global_batch_size each); in
+      synchronous mode this is every update: exactly global_batch_size samples, each source's share,
+      so an agent whose share is no multiple of the group leaves every batch short;
+    - asynchronous, when the trainer has been taking trigger_batch_size samples per update: the
+      allowance is then (lead + 1) x trigger_batch_size. The lead is staleness_threshold, or with
+      ``staleness.lead: adaptive`` 2 at the least (the bound if lower): a lead steps down only while the
+      trainer holds spare batches and back up after any update that leaves it less than a trigger, so
+      a run that stalls had its last update raise it from 1.
+
+    tests/test_admission.py plays the rule's sources against a trainer over thousands of settings: every
+    stalled one is refused here, and with a fixed lead nothing else is."""
+    group = topo.agent.group_size
+    sources = topo.admission_sources()
+    agents = [s for s in sources if s.startswith("agent-")]
+    if group == 1 or not agents:
+        return None
+    states = {s: Admission.of(topo, s) for s in sources}
+    usable = lambda s, n: n - n % group if s in agents else n  # noqa: E731 (an agent starts whole groups)
+    trigger = topo.effective_trigger
+    start = sum(usable(s, (a.staleness + 1) * a._share(a.max_batch)) for s, a in states.items())
+    if start < trigger and not topo.is_async:
+        shares = {s: a._share(a.max_batch) for s, a in states.items()}
+        step = len(sources) * group
+        return (f"a synchronous update takes exactly global_batch_size ({trigger}) samples, which "
+                f"{len(sources)} episode sources share as {sorted(set(shares.values()), reverse=True)}; an agent "
+                f"admits whole groups of agent.group_size ({group}), so "
+                f"{', '.join(s for s in agents if shares[s] % group)} can never fill a share and the run would "
+                f"wait for ever: make global_batch_size a multiple of {len(sources)} x {group} (e.g. "
+                f"{-(-trigger // step) * step}), or change the agent replicas or agent.group_size")
+    if start < trigger:
+        return (f"before the first update the staleness rule lets {len(sources)} episode sources start {start} "
+                f"samples in whole groups of agent.group_size ({group}), fewer than the trigger_batch_size "
+                f"({trigger}) it waits for: the run would never train; raise global_batch_size, or run fewer "
+                f"agent replicas or a smaller agent.group_size")
+
+    def steady(trigger: int) -> int:
+        lead = lambda a: min(2, a.staleness) if a.adaptive else a.staleness  # noqa: E731
+        return sum(usable(s, a._share((lead(a) + 1) * trigger)) for s, a in states.items())
+
+    if steady(trigger) >= trigger:
+        return None
+    enough = next((t for t in range(trigger, topo.global_batch_size + 1) if steady(t) >= t), None)
+    fix = (f"raise trigger_batch_size (e.g. to {enough}), or " if enough else "") + \
+        "run fewer agent replicas or a smaller agent.group_size"
+    return (f"when the trainer takes trigger_batch_size ({trigger}) samples per update, the staleness rule lets "
+            f"{len(sources)} episode sources keep {steady(trigger)} samples in flight in whole groups of "
+            f"agent.group_size ({group}), fewer than the {trigger} an update waits for: the run would stall "
+            f"(rollout waiting for an update that waits for rollout); {fix}")

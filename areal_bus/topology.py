@@ -22,6 +22,7 @@ from typing import Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
+from areal_bus.admission import group_stall
 from areal_bus.constants import WATCHDOG_RESTART_MAX_S
 from areal_bus.node_configs import REDACTED, SECRET, GatewayConfig, NoConfig, ProbeConfig, RewardNodeConfig
 
@@ -481,6 +482,9 @@ class Topology(_Strict):
             raise ValueError("staleness.in_order orders the bus agent's groups (agent.via 'bus'); with agent.via "
                              "'gateway' episodes go through the gateway's sessions, which it does not reorder: "
                              "set agent.via 'bus' or leave in_order out")
+        stall = group_stall(self)  # whole GRPO groups that can never add up to an update
+        if stall:
+            raise ValueError(stall)
         gateway = self.nodes.gateway.config
         if gateway.max_context_tokens is None:  # the engine's sequence length is the gateway's context
             gateway.max_context_tokens = self.rollout_engine.max_len

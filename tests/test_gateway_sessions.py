@@ -350,14 +350,15 @@ def test_the_gateway_admits_sessions_for_updates_at_most_staleness_ahead_of_the_
     and never past the trainer's version + staleness_threshold."""
     from pathlib import Path
 
+    from areal_bus.admission import Admission
     from areal_bus.messages import RunState
     from areal_bus.metrics import Metrics
     from areal_bus.topology import load_topology
-    from nodes.gateway.node import _admission, admit_session
+    from nodes.gateway.node import admit_session
 
     topo = load_topology(Path(__file__).resolve().parents[1] / "topology" / "default.yaml")
     s, trigger, glob = topo.staleness_threshold, topo.trigger_batch_size, topo.global_batch_size
-    adm, metrics = _admission(topo, 0), Metrics()
+    adm, metrics = Admission.of(topo, "gateway-0"), Metrics()
 
     def open_all(version):
         updates = []

@@ -92,6 +92,22 @@ def test_global_batch_larger_than_the_queue_is_refused(write):
     assert "queue_max_size" in msg
 
 
+def test_agents_whose_whole_groups_can_never_fill_a_synchronous_batch_are_refused_with_a_batch_that_works(write):
+    spec = ("async: {{enabled: false}}\nagent: {{group_size: 8}}\nnodes: {{agent: {{replicas: 3}}}}\n"
+            "global_batch_size: {}\n")
+    msg = _error(write(spec.format(32)))
+    assert "global_batch_size (32)" in msg and "multiple of 3 x 8 (e.g. 48)" in msg and "agent-2" in msg
+    assert load_topology(write(spec.format(48), "fixed.yaml")).global_batch_size == 48
+
+
+def test_agents_whose_whole_groups_cannot_make_a_trigger_batch_are_refused_with_a_trigger_that_works(write):
+    spec = ("async: {{enabled: true}}\nagent: {{group_size: 8}}\nnodes: {{agent: {{replicas: 4}}}}\n"
+            "staleness_threshold: 1\nglobal_batch_size: 64\ntrigger_batch_size: {}\n")
+    msg = _error(write(spec.format(8)))
+    assert "trigger_batch_size (8)" in msg and "would stall" in msg and "e.g. to 15" in msg
+    assert load_topology(write(spec.format(15), "fixed.yaml")).trigger_batch_size == 15
+
+
 def test_singleton_node_with_replicas_is_refused(write):
     msg = _error(write("nodes: {trainer: {replicas: 2}}\n"))
     assert "nodes.trainer.replicas must be 1" in msg

@@ -89,10 +89,7 @@ class EpisodeSource:
         self.source = source or f"agent-{replica}"  # names our episodes in the trainer's totals
         self.replica = replica
         self.driver = driver or SimDriver(topo)
-        sources = topo.admission_sources()
-        self.admission = Admission(topo.effective_staleness, topo.effective_trigger, len(sources),
-                                   sources.index(f"agent-{replica}"), max_batch=topo.global_batch_size,
-                                   adaptive=topo.staleness.lead == "adaptive")
+        self.admission = Admission.of(topo, f"agent-{replica}")
         self.rng = np.random.default_rng(topo.agent.seed * 1000 + replica)
         self.prefix = f"a{replica}-{uuid.uuid4().hex[:8]}"
         self.count = 0

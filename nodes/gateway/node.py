@@ -39,13 +39,6 @@ ADMISSION_RETRY_S = 1.0
 """Retry-After for a refused session: about one update on the default, when capacity reopens."""
 
 
-def _admission(topo, replica: int) -> Admission:
-    # Agents and gateways start episodes from one budget: each takes its share of the rule's batch.
-    sources = topo.admission_sources()
-    return Admission(topo.effective_staleness, topo.effective_trigger, len(sources), sources.index(f"gateway-{replica}"),
-                     max_batch=topo.global_batch_size, adaptive=topo.staleness.lead == "adaptive")
-
-
 def _is_self(base_url: str, cfg) -> bool:
     """Whether a router's base_url is this gateway's own address (loopback or its host, its port)."""
     from urllib.parse import urlsplit
@@ -94,7 +87,7 @@ class GatewayWiring:
         self.consumer_kind = "reward" if n_reward else "trainer"
         self.sender = ReliableSender(open_socket(shell.ctx, zmq.PUSH, targets, bind=False, hwm=topo.queue_max_size),
                                      shell.encoder, shell.metrics, "out", capacity=topo.queue_max_size)
-        self.admission = _admission(topo, replica)
+        self.admission = Admission.of(topo, f"gateway-{replica}")  # one budget with the agents
         self.source = f"{shell.node_id}:{shell.incarnation}"  # names our sessions in the trainer's totals
         self.ledger = Ledger(ledger_path(shell.log_dir, shell.node_id))  # what we produced, for the audit
         self.vocab_size = model_vocab_size(topo.model_path(base))
