@@ -90,7 +90,7 @@ def test_a_store_replayed_from_its_wal_holds_the_same_sessions_keys_and_trajecto
         assert a.reward == b.reward and a.meta == b.meta
     assert [t.traj_id for t in again.wal.pending()[0]] == [t.traj_id for t in got]
     again.wal.forget([t.traj_id for t in got])
-    assert again.wal.counts() == {"sessions": 0, "journal": 0, "ended": 0}
+    assert again.wal.counts() == {"sessions": 0, "journal": 0, "ended": 0, "responses": 0}
 
 
 def test_a_wal_commit_costs_a_small_part_of_a_turn(tmp_path):
@@ -148,6 +148,44 @@ def test_a_killed_standalone_gateway_resumes_its_open_sessions_and_their_keys_ke
         assert all(lines[sid]["sampled_tokens"] >= tokens for sid, _, _, tokens in sessions)
     finally:
         assert gw.stop() == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_responses_conversation_continues_by_previous_response_id_across_a_kill_of_the_gateway(tmp_path):
+    """Before: the conversations were held in memory only, so the follow-up was a 404 asking for the whole
+    input although the WAL had resumed the session."""
+    import openai
+
+    admin = "wal-" + secrets.token_hex(12)
+    wal = tmp_path / "gw.wal.sqlite"
+    args = ["--wal", str(wal), "--trajectories", str(tmp_path / "trajectories.jsonl"), "--max-len", "256"]
+    kw = {"model": "policy", "instructions": "Play the game.", "temperature": 0, "max_output_tokens": 4}
+    gw = Child(args, admin, output=tmp_path / "out1.log")
+    try:
+        sid, key = open_session(gw.url, admin)
+        first = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0).responses.create(
+            input="guess a number from 1 to 16", **kw)
+        os.kill(gw.proc.pid, signal.SIGKILL)
+        gw.proc.wait(30)
+    finally:
+        gw.stop()
+    assert GatewayWAL(wal).counts()["responses"] == 1
+    gw = Child(args, admin, output=tmp_path / "out2.log")
+    try:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+        client.responses.create(input="higher", previous_response_id=first.id, **kw)
+        status, info = call(gw.url, f"/rl/sessions/{sid}", key, method="GET")
+        # the follow-up continued the recorded prefix: one segment, one branch, both turns in it
+        assert status == 200 and (info["completions"], info["segments"], info["branches"]) == (2, 1, 1), info
+        with pytest.raises(openai.NotFoundError):  # another session's key cannot continue it
+            _, other = open_session(gw.url, admin)
+            openai.OpenAI(base_url=gw.url + "/v1", api_key=other, max_retries=0).responses.create(
+                input="x", previous_response_id=first.id, **kw)
+        status, ended = call(gw.url, f"/rl/sessions/{sid}/end", key, {"reward": 1.0})
+        assert status == 200 and ended["trajectories"] == [sid], ended
+    finally:
+        assert gw.stop() == 0
+    assert GatewayWAL(wal).counts()["responses"] == 0  # gone with the ended session
 
 
 # -- the gateway node under supervisord, the reward node down ----------------------------------------

@@ -141,7 +141,7 @@ class Gateway(PolicyChat, AnthropicRoutes, ResponsesRoutes, CompletionsRoutes, R
         self.max_context = int(ctx)
         self.store = SessionStore(cfg.max_sessions, cfg.session_idle_timeout_s, wal=wal,
                                   tag_key=key_digest(SESSION_TAG_CONTEXT + cfg.admin_token))
-        self.conversations = Conversations()  # responses_routes: what previous_response_id continues
+        self.conversations = Conversations(wal=wal)  # responses_routes: what previous_response_id continues
         self.wal = wal
         self.resumed, self.resend = 0, []  # what a restart found in the WAL (on_startup emits ``resend``)
         if wal is not None:
@@ -255,6 +255,9 @@ class Gateway(PolicyChat, AnthropicRoutes, ResponsesRoutes, CompletionsRoutes, R
         for sid, why in failed:
             self.log.error("wal_session_not_resumed", session=sid, error=why,
                            fix=f"its rows stay in {self.wal.path} (tables sessions, journal)")
+        for owner, rid, parent, messages in self.wal.responses():
+            if owner in self.store.sessions:  # a resumed session's (a failed one's stay with its rows)
+                self.conversations.restore(owner, rid, parent, messages)
         self.resend, bad = self.wal.pending()
         if bad:
             self.log.error("wal_rows_undecodable", trajectories=bad, path=str(self.wal.path))

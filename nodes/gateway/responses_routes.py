@@ -9,9 +9,11 @@
 messages its request added and the reply, linked to the response it continued), per session, so a
 follow-up that sends only its new items is the same chat conversation a client resending everything
 would send, and continues the same recorded token prefix. Only the session that made a response (or the
-admin, for its own unrecorded calls) can continue it; the conversations go with their session. They are
-held in memory: after a gateway restart a previous_response_id is unknown (a 404 saying to send the
-whole input), even where the WAL resumed the session.
+admin, for its own unrecorded calls) can continue it; the conversations go with their session. A
+session's are written to the gateway's WAL (nodes/gateway/wal.py, table ``responses``) before the reply,
+like its turns: a gateway restarted after a kill -9 resumes the session and a follow-up by
+previous_response_id continues where it was. The admin's own conversations are held in memory only (an
+unknown id after a restart is a 404 saying to send the whole input).
 
 ``ResponsesRoutes`` is a mixin of ``app.Gateway``, registered in ``make_app``; it relies on the Gateway's
 ``cfg``, ``principal``, ``read_json``, ``routed``, ``complete`` (policy_chat), ``store`` and
@@ -40,8 +42,9 @@ class Conversations:
     continued, the messages it added: its request's input and the reply). Linked, so a session of T
     turns holds O(T) messages, not O(T^2)."""
 
-    def __init__(self, per_owner: int = RESPONSES_KEPT_PER_SESSION):
+    def __init__(self, per_owner: int = RESPONSES_KEPT_PER_SESSION, wal=None):
         self.per_owner = per_owner
+        self.wal = wal  # a GatewayWAL: a session's responses go on disk before the reply
         self.by_owner: dict[str, OrderedDict[str, tuple[str | None, list[dict]]]] = {}
 
     def history(self, owner: str, rid: str | None) -> list[dict] | None:
@@ -56,8 +59,8 @@ class Conversations:
                 gone = at != rid
                 raise OpenAIError(404, f"Previous response with id '{rid}' not found"
                                   + (f" (its conversation reaches back to '{at}', which is no longer kept)" if gone
-                                     else ": this gateway keeps the responses of this key's open session (in memory, "
-                                     "so none from before a restart)")
+                                     else ": this gateway keeps the responses of this key's open session (the "
+                                     "admin's in memory only, so none from before a restart)")
                                   + ". Send the whole conversation as input instead.",
                                   param="previous_response_id", code="previous_response_not_found")
             chain.append(entry[1])
@@ -65,13 +68,19 @@ class Conversations:
         return [m for part in reversed(chain) for m in part]
 
     def keep(self, owner: str, rid: str, parent: str | None, messages: list[dict], live: dict) -> None:
+        if owner and self.wal is not None:  # a session's: on disk before the reply, as its turn is
+            self.wal.response(owner, rid, parent, messages)
+        self.restore(owner, rid, parent, messages)
+        if len(self.by_owner) > 2 * len(live) + 64:  # amortised: ended sessions' conversations go
+            for sid in [s for s in self.by_owner if s and s not in live]:
+                del self.by_owner[sid]
+
+    def restore(self, owner: str, rid: str, parent: str | None, messages: list[dict]) -> None:
+        """Hold a response (one answered now, or one the WAL kept) for previous_response_id."""
         kept = self.by_owner.setdefault(owner, OrderedDict())
         kept[rid] = (parent, messages)
         while len(kept) > self.per_owner:
             kept.popitem(last=False)
-        if len(self.by_owner) > 2 * len(live) + 64:  # amortised: ended sessions' conversations go
-            for sid in [s for s in self.by_owner if s and s not in live]:
-                del self.by_owner[sid]
 
 
 class ResponsesLive:

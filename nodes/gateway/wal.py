@@ -9,6 +9,8 @@ kept or moved aside with it), written only by the gateway's event-loop thread:
 - ``journal``: each recorded turn (the branch point it continued, the environment tokens, every choice's
   Completion and canonical messages) and each reward, in order, so replaying them through
   ``SessionStore.record`` / ``reward`` rebuilds the session as it was, branches and index included.
+- ``responses``: each stored Responses API response of an open session (its id, the response it continued,
+  the messages it added), so that a ``previous_response_id`` still continues it after a restart.
 - ``ended``: each ended session's trajectories (the project codec's frames, as the trainer's spool keeps
   them) until a TrajAck names them: accepted, consumed, stale, duplicate (or rejected).
 
@@ -47,6 +49,9 @@ CREATE TABLE IF NOT EXISTS journal (seq INTEGER PRIMARY KEY AUTOINCREMENT, sid T
 CREATE INDEX IF NOT EXISTS journal_sid ON journal (sid);
 CREATE TABLE IF NOT EXISTS ended (seq INTEGER PRIMARY KEY AUTOINCREMENT, traj_id TEXT NOT NULL UNIQUE,
                                   frames BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS responses (seq INTEGER PRIMARY KEY AUTOINCREMENT, owner TEXT NOT NULL, rid TEXT NOT NULL,
+                                      parent TEXT, messages BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS responses_owner ON responses (owner);
 """
 
 
@@ -106,11 +111,17 @@ class GatewayWAL:
         body = {"t": "reward", "value": value, "index": index, "discount": discount}
         self._write([("INSERT INTO journal (sid, body) VALUES (?, ?)", [(sid, msgpack.packb(body, use_bin_type=True))])])
 
+    def response(self, owner: str, rid: str, parent: str | None, messages: list[dict]) -> None:
+        """A stored response of session ``owner``: what ``previous_response_id: rid`` continues."""
+        self._write([("INSERT INTO responses (owner, rid, parent, messages) VALUES (?, ?, ?, ?)",
+                      [(owner, rid, parent, msgpack.packb(messages, use_bin_type=True))])])
+
     def ended(self, sid: str, trajs: list[Trajectory]) -> None:
         """The session's trajectories replace its record, in one transaction."""
         self._write([("INSERT OR REPLACE INTO ended (traj_id, frames) VALUES (?, ?)",
                       [(t.traj_id, pack(t, self.encoder)) for t in trajs]),
                      ("DELETE FROM journal WHERE sid = ?", [(sid,)]),
+                     ("DELETE FROM responses WHERE owner = ?", [(sid,)]),
                      ("DELETE FROM sessions WHERE sid = ?", [(sid,)])])
         self.unsettled.update(t.traj_id for t in trajs)
 
@@ -145,8 +156,15 @@ class GatewayWAL:
         return [(sid, bytes(key_hash), ticket, group_id, json.loads(meta), journal.get(sid, []))
                 for sid, key_hash, ticket, group_id, meta in self.db.execute("SELECT * FROM sessions")]
 
+    def responses(self):
+        """Each stored response as (owner, rid, parent, messages), in the order they were answered."""
+        return [(owner, rid, parent, msgpack.unpackb(blob, raw=False))
+                for owner, rid, parent, blob in self.db.execute("SELECT owner, rid, parent, messages FROM responses "
+                                                                 "ORDER BY seq")]
+
     def counts(self) -> dict[str, int]:
-        return {t: self.db.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("sessions", "journal", "ended")}
+        return {t: self.db.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+                for t in ("sessions", "journal", "ended", "responses")}
 
     def close(self) -> None:
         self.db.close()
