@@ -1,4 +1,5 @@
-"""The two staleness rules, as pure functions and one small state holder.
+"""The two staleness rules, as pure functions and one small state holder; who shares the rule's batch
+(``Sources``); and which settings of it whole GRPO groups could never satisfy (``group_stall``).
 
 Admission (AReaL's capacity rule): an episode may start only if it could be consumed within
 ``staleness`` policy versions. With ``batch`` samples consumed per version, by the time the trainer
@@ -62,6 +63,7 @@ at is the updates it holds), and a sample's versions are the int32 numbers its t
 
 from __future__ import annotations
 
+from areal_bus import messages as m
 from areal_bus.version import PolicyVersion
 
 
@@ -215,6 +217,14 @@ class Admission:
         self.admitted -= n
         self.returned += n
 
+    def reshare(self, sources: int, source_index: int) -> None:
+        """Another count of sources shares the batch from now on (one was scaled up or down while the
+        run goes on: ``Sources``). What this source has admitted and had consumed stays its own."""
+        if sources < 1 or not 0 <= source_index < sources:
+            raise ValueError("sources must be >= 1 and source_index in range")
+        self.sources, self.source_index = sources, source_index
+        self.batch_share = self._share(self.min_batch)
+
     @classmethod
     def of(cls, topo, source: str) -> Admission:
         """The admission state of ``source`` (an agent's or gateway's name, e.g. ``agent-0``) in ``topo``:
@@ -222,6 +232,54 @@ class Admission:
         sources = topo.admission_sources()
         return cls(topo.effective_staleness, topo.effective_trigger, len(sources), sources.index(source),
                    max_batch=topo.global_batch_size, adaptive=topo.staleness.lead == "adaptive")
+
+
+class Sources:
+    """The episode sources that share the rule's batch, as one of them (``me``) sees them while the run
+    goes on, in ``Topology.admission_sources``'s order (agents, then gateways, by replica). At start the
+    topology's; then a source whose heartbeat comes that is not among them joins (the topology was scaled
+    up and ``supervisorctl update`` started it: it read the new topology, the running ones did not), and
+    one that says on the hub that it leaves goes (scaled down: update stops it with SIGTERM). A source
+    that dies without a word keeps its share: supervisorctl restarts it, and its share handed to the
+    others meanwhile would overshoot the rule when it came back. Pure: nodes/agent and nodes/gateway
+    feed it their hub's heartbeats and leaving notices."""
+
+    def __init__(self, topo, me: str):
+        self.kinds = ("agent", "gateway") if topo.agent.via == "bus" else ("gateway",)
+        self.names = list(topo.admission_sources())
+        self.me = me
+
+    def _key(self, name: str) -> tuple[int, int]:
+        kind, _, replica = name.rpartition("-")
+        return self.kinds.index(kind), int(replica)
+
+    def joined(self, node_id: str, kind: str) -> bool:
+        """A source's heartbeat: True if it is new to the set."""
+        if kind not in self.kinds or node_id in self.names or not node_id.startswith(kind + "-") \
+                or not node_id.rpartition("-")[2].isdigit():
+            return False
+        self.names = sorted([*self.names, node_id], key=self._key)
+        return True
+
+    def left(self, node_id: str) -> bool:
+        """A source said it leaves: True if it was in the set."""
+        if node_id == self.me or node_id not in self.names:
+            return False
+        self.names.remove(node_id)
+        return True
+
+    def hear(self, msg, admission: Admission) -> bool:
+        """A message of ``NodeShell.drain_hub``: a source's heartbeat, or its ``peer_left`` notice (the
+        node must watch the source kinds), changes the set and ``admission``'s share with it. True if so."""
+        if isinstance(msg, m.Heartbeat):
+            changed = self.joined(msg.node_id, msg.kind)
+        elif isinstance(msg, m.Event) and msg.name == "peer_left":
+            changed = self.left(msg.node_id)
+        else:
+            return False
+        if changed:
+            admission.reshare(len(self.names), self.names.index(self.me))
+        return changed
 
 
 def group_stall(topo) -> str | None:

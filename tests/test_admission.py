@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_bus.admission import Admission, capacity, group_stall, is_over_stale, staleness_of
+from areal_bus import messages as m
+from areal_bus.admission import Admission, Sources, capacity, group_stall, is_over_stale, staleness_of
 from areal_bus.version import PolicyVersion
 
 
@@ -470,3 +471,38 @@ def test_group_stall_refuses_every_setting_whose_whole_groups_stall_the_run_and_
             assert refused == stalls, f"refused but runs: {topo}"
         foreseen += refused
     assert 0 < stalled <= foreseen < len(SETTINGS)
+
+
+def _beat(node_id: str) -> m.Heartbeat:
+    return m.Heartbeat(node_id=node_id, kind=node_id.rpartition("-")[0], incarnation="i", pid=1, t=0.0, version=0,
+                       counters={}, gauges={}, hists={})
+
+
+def test_sources_scaled_while_running_share_the_batch_anew_and_a_silent_one_keeps_its_share():
+    from areal_bus.topology import parse_topology
+
+    topo = parse_topology({"global_batch_size": 32, "trigger_batch_size": 16, "nodes": {"agent": {"replicas": 2}}})
+    views = {name: (Sources(topo, name), Admission.of(topo, name)) for name in ("agent-0", "agent-1")}
+
+    def total(names) -> int:
+        return sum(views[n][1].batch_share for n in names)
+
+    assert [a.batch_share for _, a in views.values()] == [8, 8]
+    new = parse_topology({"global_batch_size": 32, "trigger_batch_size": 16, "nodes": {"agent": {"replicas": 3}}})
+    views["agent-2"] = (Sources(new, "agent-2"), Admission.of(new, "agent-2"))  # started by supervisorctl update
+    for name in ("agent-0", "agent-1"):
+        src, adm = views[name]
+        assert src.hear(_beat("agent-2"), adm) and not src.hear(_beat("agent-2"), adm)  # once
+        assert not src.hear(_beat("rollout-0"), adm) and not src.hear(_beat("gateway"), adm)
+        assert src.names == ["agent-0", "agent-1", "agent-2"]
+    assert total(views) == 16 and sorted(a.batch_share for _, a in views.values()) == [5, 5, 6]
+    # agent-1 is scaled away: it says it leaves; the others share its part
+    left = m.Event(name="peer_left", node_id="agent-1", fields={"kind": "agent"})
+    for name in ("agent-0", "agent-2"):
+        assert views[name][0].hear(left, views[name][1])
+    assert total(["agent-0", "agent-2"]) == 16
+    assert views["agent-0"][0].names == views["agent-2"][0].names == ["agent-0", "agent-2"]
+    # one that dies without a word (kill -9) keeps its share for its restart: its death changes nothing
+    src, adm = views["agent-0"]
+    dead = m.Event(name="peer_dead", node_id="agent-2", fields={"kind": "agent"})
+    assert not src.hear(dead, adm) and not src.hear(left, adm) and adm.batch_share == 8

@@ -440,3 +440,48 @@ def test_rollout_scales_2_to_4_to_1_mid_run_restarting_nobody_and_losing_nothing
     finally:
         client.stop.set()
         run.cleanup()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_agents_scaled_1_to_2_to_1_mid_run_share_the_admission_batch_anew_restarting_nobody():
+    """Before: a running agent kept the share it computed at its start, so after 1 -> 2 the two admitted
+    1.5 batches' worth between them (agent-0 the whole, agent-1 half), and after 2 -> 1 agent-0 only
+    half, for the rest of the run."""
+    run = _Run({"max_steps": MAX_STEPS, "rollout_workers": 2})
+    share = lambda: [line.split("share=")[1].split()[0] for line in run.lines("agent.log")  # noqa: E731
+                     if "admission_sources" in line and "node=agent-0" in line]
+    try:
+        run.start()
+        before = wait_until(run.all_running, 60, "every process RUNNING")
+        wait_until(lambda: len(run.t_ends()) >= 10, 60, "10 updates")
+        trigger = run.topo.trigger_batch_size
+
+        out = _rescale_agents(run, 2)
+        assert out.strip() == "agent-1: added process group", out
+        st = wait_until(run.all_running, 60, "agent-1 RUNNING")
+        assert {k: pid for k, (_, pid) in st.items() if k in before} == {k: pid for k, (_, pid) in before.items()}
+        wait_until(lambda: share() == [str(trigger // 2)], 30, "agent-0 to share the batch with agent-1")
+        steps = len(run.t_ends())
+        wait_until(lambda: len(run.t_ends()) >= steps + 10, 60, "10 updates with 2 agents")
+        assert any("node=agent-1" in line and line.startswith("[agent] node_start") for line in run.lines("agent.log"))
+
+        out = _rescale_agents(run, 1)
+        assert sorted(out.splitlines()) == ["agent-1: removed process group", "agent-1: stopped"], out
+        wait_until(lambda: share() == [str(trigger // 2), str(trigger)], 30, "agent-0 to take the whole batch again")
+        steps = len(run.t_ends())
+        wait_until(lambda: len(run.t_ends()) >= steps + 10, 60, "10 updates with 1 agent again")
+        assert run.all_running() and run.all_running()["agent-0"][1] == before["agent-0"][1]
+        try:
+            assert run.proc.wait(120) == 0, run.tail("supervisord.log")
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the run did not end by itself:\n{run.tail('train.log')}") from None
+        result = audit(run.logs)
+        assert result["finished"] and result["lost"] == 0 and result["duplicated"] == 0, result
+    finally:
+        run.cleanup()
+
+
+def _rescale_agents(run: _Run, agents: int) -> str:
+    run.write({**run.data, "nodes": {**run.data["nodes"], "agent": {"replicas": agents}}})
+    return run.ctl("update")

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from areal_bus import messages as m
-from areal_bus.admission import Admission
+from areal_bus.admission import Admission, Sources
 from areal_bus.constants import GROUP_WAIT_S, REISSUE_UNCLAIMED_S
 from areal_bus.episode import EpisodeRecord
 from areal_bus.version import PolicyVersion
@@ -90,6 +90,7 @@ class EpisodeSource:
         self.replica = replica
         self.driver = driver or SimDriver(topo)
         self.admission = Admission.of(topo, f"agent-{replica}")
+        self.sources = Sources(topo, f"agent-{replica}")  # who shares the batch, as scaling changes it
         self.rng = np.random.default_rng(topo.agent.seed * 1000 + replica)
         self.prefix = f"a{replica}-{uuid.uuid4().hex[:8]}"
         self.count = 0

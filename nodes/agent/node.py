@@ -41,6 +41,8 @@ def on_hub(shell, src: EpisodeSource, sender: ReliableSender, consumer_kind: str
             sender.settle(msg)  # admission counts come from the run state, not from acks
         elif isinstance(msg, m.Heartbeat) and msg.kind == "rollout":
             src.on_claims(msg.node_id, msg.inflight)
+        elif src.sources.hear(msg, src.admission):  # agents or gateways scaled while the run goes on
+            shell.log.info("admission_sources", sources=",".join(src.sources.names), share=src.admission.batch_share)
         elif isinstance(msg, m.Event) and msg.name in ("peer_dead", "peer_left", "peer_restarted") \
                 and msg.fields.get("kind") == "rollout":
             # A worker that left (scaled away) answered what it could first: the rest is ours again now. One
@@ -92,7 +94,7 @@ def send_work(shell, src: EpisodeSource, work) -> None:
 
 
 def run(topo, replica: int = 0, base=None) -> int:
-    shell = NodeShell(topo, "agent", replica, base=base, watch=("rollout", "reward", "trainer"),
+    shell = NodeShell(topo, "agent", replica, base=base, watch=("rollout", "reward", "trainer", "agent", "gateway"),
                       topics=(m.TOPIC_VERSION, m.TOPIC_TRAJ_ACK, m.TOPIC_RUN))
     shell.install_signal_handlers()
     work = open_socket(shell.ctx, zmq.PUSH, shell.endpoint("work", replica), bind=True, hwm=WORK_HWM)

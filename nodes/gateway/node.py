@@ -21,7 +21,7 @@ import time
 import zmq
 
 from areal_bus import messages as m
-from areal_bus.admission import Admission
+from areal_bus.admission import Admission, Sources
 from areal_bus.channels import ReliableSender, open_socket
 from areal_bus.ledger import Ledger, ledger_path
 from areal_bus.node import NodeShell
@@ -88,6 +88,7 @@ class GatewayWiring:
         self.sender = ReliableSender(open_socket(shell.ctx, zmq.PUSH, targets, bind=False, hwm=topo.queue_max_size),
                                      shell.encoder, shell.metrics, "out", capacity=topo.queue_max_size)
         self.admission = Admission.of(topo, f"gateway-{replica}")  # one budget with the agents
+        self.sources = Sources(topo, f"gateway-{replica}")  # who shares it, as scaling changes it
         self.source = f"{shell.node_id}:{shell.incarnation}"  # names our sessions in the trainer's totals
         self.ledger = Ledger(ledger_path(shell.log_dir, shell.node_id))  # what we produced, for the audit
         self.vocab_size = model_vocab_size(topo.model_path(base))
@@ -127,6 +128,9 @@ class GatewayWiring:
             elif (isinstance(msg, m.Event) and msg.name == "peer_restarted"
                   and msg.fields.get("kind") == self.consumer_kind):
                 shell.log.warning("resent", trajectories=sender.resend(), reason=f"{msg.node_id} restarted")
+            elif self.sources.hear(msg, self.admission):  # agents or gateways scaled while the run goes on
+                shell.log.info("admission_sources", sources=",".join(self.sources.names),
+                               share=self.admission.batch_share)
         self.backend.set_live({p.node_id: p.incarnation for p in shell.peers.alive("rollout")})  # a restart shows
         sender.flush()
         shell.metrics.gauge("queue.unacked", len(sender.unacked))
@@ -139,7 +143,8 @@ class GatewayWiring:
 
 
 def run(topo, replica: int = 0, base=None) -> int:
-    shell = NodeShell(topo, "gateway", replica, base=base, watch=("rollout", "reward", "trainer"),
+    shell = NodeShell(topo, "gateway", replica, base=base,
+                      watch=("rollout", "reward", "trainer", "agent", "gateway"),
                       topics=(m.TOPIC_VERSION, m.TOPIC_TRAJ_ACK, m.TOPIC_RUN))
     shell.install_signal_handlers()
     cfg = topo.gateway_config()  # validated with the topology; max_context_tokens is the engine's max_len
