@@ -455,7 +455,7 @@ def _stalls(topo, updates: int = 200) -> bool:
     return False
 
 
-SETTINGS = [s for s in itertools.product([1, 2, 3, 8], [0, 1], [1, 4, 8, 16], [0, 1, 2, 4], [4, 8, 32], [8, 32, 128],
+SETTINGS = [s for s in itertools.product([1, 3, 8], [0, 1], [1, 4, 8, 16], [0, 1, 2, 4], [4, 8, 32], [8, 32, 128],
                                          [False, True], [False, True])
             if s[4] <= s[5] and not (s[6] and (s[3] or s[7] or s[4] != s[5]))]
 
