@@ -93,6 +93,19 @@ def test_a_store_replayed_from_its_wal_holds_the_same_sessions_keys_and_trajecto
     assert again.wal.counts() == {"sessions": 0, "journal": 0, "ended": 0, "responses": 0}
 
 
+def test_a_sessions_responses_are_kept_as_answered_and_go_with_the_session(tmp_path):
+    wal = GatewayWAL(tmp_path / "gw.wal.sqlite")
+    said = [{"role": "user", "content": [{"type": "input_text", "text": "é 🎲"}], "n": 2**70},
+            {"role": "assistant", "content": "7", "tool_calls": None}]
+    wal.response("s1", "r1", None, said)
+    wal.response("s1", "r2", "r1", said[1:])
+    wal.response("s2", "r3", None, said[:1])
+    again = GatewayWAL(tmp_path / "gw.wal.sqlite")
+    assert again.responses() == [("s1", "r1", None, said), ("s1", "r2", "r1", said[1:]), ("s2", "r3", None, said[:1])]
+    again.ended("s1", [])
+    assert [r[1] for r in again.responses()] == ["r3"]
+
+
 def test_a_wal_commit_costs_a_small_part_of_a_turn(tmp_path):
     wal = GatewayWAL(tmp_path / "gw.wal.sqlite")
     store = SessionStore(wal=wal)

@@ -50,7 +50,7 @@ CREATE INDEX IF NOT EXISTS journal_sid ON journal (sid);
 CREATE TABLE IF NOT EXISTS ended (seq INTEGER PRIMARY KEY AUTOINCREMENT, traj_id TEXT NOT NULL UNIQUE,
                                   frames BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS responses (seq INTEGER PRIMARY KEY AUTOINCREMENT, owner TEXT NOT NULL, rid TEXT NOT NULL,
-                                      parent TEXT, messages BLOB NOT NULL);
+                                      parent TEXT, messages TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS responses_owner ON responses (owner);
 """
 
@@ -112,9 +112,10 @@ class GatewayWAL:
         self._write([("INSERT INTO journal (sid, body) VALUES (?, ?)", [(sid, msgpack.packb(body, use_bin_type=True))])])
 
     def response(self, owner: str, rid: str, parent: str | None, messages: list[dict]) -> None:
-        """A stored response of session ``owner``: what ``previous_response_id: rid`` continues."""
+        """A stored response of session ``owner``: what ``previous_response_id: rid`` continues. Its
+        messages as JSON, what they came in and go out as (msgpack would refuse an integer past 64 bits)."""
         self._write([("INSERT INTO responses (owner, rid, parent, messages) VALUES (?, ?, ?, ?)",
-                      [(owner, rid, parent, msgpack.packb(messages, use_bin_type=True))])])
+                      [(owner, rid, parent, json.dumps(messages))])])
 
     def ended(self, sid: str, trajs: list[Trajectory]) -> None:
         """The session's trajectories replace its record, in one transaction."""
@@ -158,7 +159,7 @@ class GatewayWAL:
 
     def responses(self):
         """Each stored response as (owner, rid, parent, messages), in the order they were answered."""
-        return [(owner, rid, parent, msgpack.unpackb(blob, raw=False))
+        return [(owner, rid, parent, json.loads(blob))
                 for owner, rid, parent, blob in self.db.execute("SELECT owner, rid, parent, messages FROM responses "
                                                                  "ORDER BY seq")]
 
