@@ -60,6 +60,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from areal_bus.topology import TopologyError, parse_topology  # noqa: E402
 from bench.harness import run_logged  # noqa: E402
 
 SHAPES = {
@@ -276,14 +277,15 @@ def main() -> int:
     args = ap.parse_args()
     if args.tiny:
         args.shape = "tiny"
-    if args.batch // args.agents < args.group_size:
-        # Each agent admits whole groups out of its share of the batch: a share smaller than a group
-        # admits nothing, and a synchronous run would wait forever.
-        ap.error(f"--batch {args.batch} / --agents {args.agents} is less than one --group-size {args.group_size}")
     if args.device == "cpu" and args.dtype == "bfloat16":
         args.dtype = "float32"
     # The sync baseline first, so each async row can print its ratio as it ends.
     runs = sorted(parse_runs(args), key=lambda r: r.mode != "sync")
+    for run in runs:  # before building the model: e.g. agents whose whole groups never make a batch
+        try:
+            parse_topology(topology(Path("model"), run, args), f"the {run.name} run's topology")
+        except TopologyError as err:
+            ap.error(str(err))
     work = Path(tempfile.mkdtemp(prefix="ab-e2e-model-"))
     try:
         return bench(args, runs, work)
