@@ -1,4 +1,4 @@
-"""A minimal decoder for the Qwen2 / Llama family in plain torch, shared by rollout and trainer.
+"""A minimal decoder for the Qwen2 / Qwen3 / Llama / Mistral family in plain torch, shared by rollout and trainer.
 
 Both sides of the RL loop need the same model and, above all, the same definition of a token's
 log-probability: the rollout engine records it while sampling, the trainer recomputes it (proximal
@@ -9,10 +9,12 @@ Parameter names are Hugging Face's (``model.layers.{i}.self_attn.q_proj.weight``
 ``load_pretrained`` reads a Qwen2 / Llama checkpoint directory as is and ``save_pretrained`` writes one
 that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 
-Supported: RMSNorm, default RoPE (``rope_theta``), grouped-query attention, SwiGLU MLP, q/k/v bias
-(Qwen2 always, Llama when ``attention_bias``), tied or untied ``lm_head``. Not supported (refused
-with an error, never silently wrong): RoPE scaling types other than "default", sliding-window
-attention, MLP bias.
+Supported: RMSNorm, RoPE (``rope_theta``) with the scaling types whose frequencies do not change with
+the sequence's length (``ROPE_TYPES``: "linear", "llama3" as Llama 3.1-3.3 ship it, "yarn"; their
+frequencies come from transformers' own ``ROPE_INIT_FUNCTIONS``), grouped-query attention, SwiGLU MLP,
+q/k/v bias (Qwen2 always, Llama / Qwen3 when ``attention_bias``), Qwen3's per-head q/k RMSNorm, tied or
+untied ``lm_head``. Not supported (refused with an error, never silently wrong): RoPE types that change
+with the length ("dynamic", "longrope"), sliding-window attention, MLP bias.
 
 Quick check::
 
@@ -50,7 +52,21 @@ TINY_LLAMA: dict = {
     "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
 }
 
-_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+TINY_QWEN3: dict = {
+    "model_type": "qwen3", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 512,
+    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+}
+# Llama 3.1's RoPE scaling (its config.json's numbers), on the tiny shape.
+TINY_LLAMA31: dict = {**TINY_LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+TINY_MISTRAL: dict = {**TINY_LLAMA, "model_type": "mistral", "sliding_window": None, "rope_theta": 1000000.0}
+
+_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "mistral": "MistralForCausalLM"}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""RoPE types computed here: fixed frequencies (the others rescale them with the sequence's length)."""
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -66,7 +82,7 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    model_type: str  # "qwen2" | "llama"
+    model_type: str  # "qwen2" | "llama" | "qwen3" | "mistral"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -81,6 +97,8 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's queries and keys before RoPE
+    rope_scaling: tuple = ()  # (key, value) pairs of a non-default RoPE type's parameters, rope_type among them
 
     @classmethod
     def from_hf(cls, src: str | Path | dict) -> ModelConfig:
@@ -92,12 +110,13 @@ class ModelConfig:
             d = json.loads((p / "config.json" if p.is_dir() else p).read_text())
         model_type = d.get("model_type", "")
         if model_type not in _ARCHITECTURES:
-            raise ValueError(f"model_type {model_type!r} not supported (qwen2, llama)")
+            raise ValueError(f"model_type {model_type!r} not supported ({', '.join(_ARCHITECTURES)})")
         # transformers >= 5 writes rope_parameters; older configs (and real checkpoints) rope_theta.
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"RoPE type {rope.get('rope_type', rope.get('type'))!r} not supported")
-        if d.get("use_sliding_window"):
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"RoPE type {rope_type!r} not supported ({', '.join(ROPE_TYPES)})")
+        if d.get("use_sliding_window") or (model_type == "mistral" and d.get("sliding_window") is not None):
             raise ValueError("sliding-window attention not supported")
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias not supported")
@@ -111,9 +130,12 @@ class ModelConfig:
             rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
             max_position_embeddings=d.get("max_position_embeddings", 32768),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            # Qwen2 always has q/k/v bias (its config has no switch); Llama only when asked.
+            # Qwen2 always has q/k/v bias (its config has no switch); the others only when asked.
             attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
             bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
+            qk_norm=model_type == "qwen3",
+            rope_scaling=() if rope_type == "default" else tuple(sorted(
+                {k: v for k, v in rope.items() if k not in ("type", "rope_theta")}.items() | {("rope_type", rope_type)})),
         )
 
     def to_hf(self, dtype: torch.dtype = torch.float32) -> dict:
@@ -131,12 +153,31 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
             "torch_dtype": _DTYPE_NAMES[dtype], "use_cache": True,
         }
-        if self.model_type == "qwen2":
+        if self.model_type in ("qwen2", "qwen3"):
             d |= {"use_sliding_window": False, "sliding_window": None,
                   "max_window_layers": self.num_hidden_layers}
-        else:
+        if self.model_type != "qwen2":
             d |= {"attention_bias": self.attention_bias, "mlp_bias": False, "pretraining_tp": 1}
+        if self.model_type == "mistral":
+            d["sliding_window"] = None
+        if self.rope_scaling:
+            rope = dict(self.rope_scaling)
+            d |= {"rope_scaling": rope, "rope_parameters": {**rope, "rope_theta": self.rope_theta}}
         return d
+
+    def rope_frequencies(self, device=None) -> tuple[torch.Tensor, float]:
+        """(RoPE's inverse frequencies [head_dim / 2] in float32, the factor its cos and sin are
+        scaled by). The default's in closed form; a scaled type's from transformers' own function for it
+        (``ROPE_INIT_FUNCTIONS``), so the numbers are the trainer's model's."""
+        if not self.rope_scaling:
+            steps = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim
+            return 1.0 / self.rope_theta ** steps, 1.0
+        from transformers import AutoConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        hf = AutoConfig.for_model(**self.to_hf())
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[dict(self.rope_scaling)["rope_type"]](hf, device)
+        return inv_freq.float(), float(scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,12 +198,27 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+def rope_cos_sin(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype):
     """cos, sin of shape [B, 1, T, head_dim] for integer ``positions`` [B, T] (HF's half-split layout)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    inv_freq, scale = _frequencies(cfg, positions.device)
     freqs = positions.float()[..., None] * inv_freq  # [B, T, head_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    if scale == 1.0:
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+_FREQUENCIES: dict[tuple, tuple[torch.Tensor, float]] = {}
+
+
+def _frequencies(cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, float]:
+    """``cfg.rope_frequencies`` on ``device``, computed once per RoPE and device (a scaled type goes
+    through transformers' config machinery, too slow for every forward)."""
+    key = (cfg.model_type, cfg.head_dim, cfg.hidden_size, cfg.num_attention_heads, cfg.rope_theta,
+           cfg.max_position_embeddings, cfg.rope_scaling, str(device))
+    if key not in _FREQUENCIES:
+        _FREQUENCIES[key] = cfg.rope_frequencies(device)
+    return _FREQUENCIES[key]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -221,11 +277,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:  # Qwen3: each head's queries and keys normalised before RoPE
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x, cos, sin, mask, layer: int, cache: _CacheView | None):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
@@ -291,7 +354,7 @@ class Decoder(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Qwen2 / Llama causal LM. Module tree and parameter names match Hugging Face's."""
+    """Qwen2 / Qwen3 / Llama / Mistral causal LM. Module tree and parameter names match Hugging Face's."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -340,7 +403,7 @@ class CausalLM(nn.Module):
                 keys = attention_mask.bool()[:, None, :] | torch.eye(t, dtype=torch.bool, device=dev)
                 mask = ((q_idx[None, :] <= q_idx[:, None]) & keys)[:, None]  # [B, 1, T, T]
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.cfg, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, i, view)
         return self.model.norm(x)
@@ -510,7 +573,7 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) ->
 
 
 __all__ = [
-    "QWEN2_0_5B", "TINY_QWEN2", "TINY_LLAMA", "ModelConfig", "CausalLM", "KVCache", "as_dtype",
+    "QWEN2_0_5B", "TINY_QWEN2", "TINY_LLAMA", "TINY_QWEN3", "TINY_LLAMA31", "TINY_MISTRAL", "ROPE_TYPES", "ModelConfig", "CausalLM", "KVCache", "as_dtype",
     "scaled_logits", "logprobs_of", "logprobs_and_normaliser", "token_logprobs", "load_safetensors", "check_state_dict",
     "load_pretrained", "save_pretrained", "save_state_dict", "make_random_model", "num_params", "kv_bytes_per_token",
 ]

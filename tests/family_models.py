@@ -5,8 +5,8 @@ tokens (ids of their own, special or not as in the family's real vocabulary), an
 the family's architecture sized to that vocabulary.
 
 The BPE has merges, so a tool-call marker or a JSON key is several tokens and a streamed reply is cut
-inside them, as with the real vocabularies. Mistral v0.3 is a Llama-architecture model (no sliding
-window), so its stand-in is a ``llama`` model with Mistral's tokens and template.
+inside them, as with the real vocabularies. The architectures are the families' own: Qwen3's per-head q/k
+norms, Llama 3.1's RoPE scaling, Mistral v0.3 (no sliding window).
 
     from tests.family_models import family_tokenizer, family_model
     tok = family_tokenizer("llama3.1"); model = family_model("llama3.1", tok)
@@ -24,7 +24,7 @@ TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
 @dataclass(frozen=True)
 class Family:
     template: str  # file in tests/chat_templates
-    arch: str  # areal_bus.modeling model_type
+    arch: str  # which of areal_bus.modeling's tiny configs: qwen2, qwen3, llama3.1 (Llama 3.1's RoPE), mistral
     special: tuple[str, ...]  # special tokens (skipped when decoding), eos among them
     added: tuple[str, ...]  # added tokens that are not special (decoded as text)
     eos: str
@@ -34,12 +34,12 @@ class Family:
 FAMILIES = {
     "qwen2.5": Family("qwen2.5.jinja", "qwen2", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
                       ("<tool_call>", "</tool_call>"), "<|im_end|>"),
-    "qwen3": Family("qwen3.jinja", "qwen2", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    "qwen3": Family("qwen3.jinja", "qwen3", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
                     ("<tool_call>", "</tool_call>", "<think>", "</think>"), "<|im_end|>"),
-    "llama3.1": Family("llama3.1.jinja", "llama", ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+    "llama3.1": Family("llama3.1.jinja", "llama3.1", ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                                                    "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"), (),
                        "<|eot_id|>", "<|begin_of_text|>"),
-    "mistral": Family("mistral.jinja", "llama", ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]",
+    "mistral": Family("mistral.jinja", "mistral", ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]",
                                                  "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
                                                  "[/TOOL_RESULTS]"), (), "</s>", "<s>"),
 }
@@ -80,9 +80,9 @@ def family_tokenizer(name: str):
 
 def family_model(name: str, tok, seed: int = 0):
     """A random model of the family's architecture over ``tok``'s vocabulary (eos: the tokenizer's)."""
-    from areal_bus.modeling import TINY_LLAMA, TINY_QWEN2, make_random_model
+    from areal_bus.modeling import TINY_LLAMA31, TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3, make_random_model
 
-    base = TINY_QWEN2 if FAMILIES[name].arch == "qwen2" else TINY_LLAMA
+    base = {"qwen2": TINY_QWEN2, "qwen3": TINY_QWEN3, "llama3.1": TINY_LLAMA31, "mistral": TINY_MISTRAL}[FAMILIES[name].arch]
     cfg = {**base, "vocab_size": len(tok), "eos_token_id": tok.eos_token_id, "max_position_embeddings": 2048,
            "bos_token_id": tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id}
     return make_random_model(cfg, seed=seed, std=0.2)

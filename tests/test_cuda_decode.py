@@ -12,7 +12,8 @@ import torch
 
 from areal_bus.engines.cuda_decode import buckets
 from areal_bus.engines.torch_engine import TorchRolloutEngine
-from areal_bus.modeling import TINY_LLAMA, TINY_QWEN2, make_random_model, save_pretrained
+from areal_bus.modeling import (TINY_LLAMA, TINY_LLAMA31, TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3, make_random_model,
+                                save_pretrained)
 from tests.test_torch_engine import PROMPTS, _full_logprobs, _model, _naive_greedy, _req, _run
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
@@ -27,9 +28,15 @@ def _engine(model, static=True, **kw):
     return TorchRolloutEngine(model, **kw)
 
 
-@pytest.mark.parametrize("cfg", [TINY_QWEN2, TINY_LLAMA], ids=["qwen2", "llama"])
+@pytest.mark.parametrize("cfg", [TINY_QWEN2, TINY_LLAMA, TINY_QWEN3, TINY_LLAMA31, TINY_MISTRAL],
+                         ids=["qwen2", "llama", "qwen3", "llama3.1-rope", "mistral"])
 def test_static_greedy_equals_gather_path_and_naive_loop(cfg):
     model = _model(cfg)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # norms other than ones, so one in the wrong place (Qwen3's q norm on k) shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.5 * torch.randn(p.shape, generator=gen))
     reqs = lambda: [_req(k, p, 30) for k, p in PROMPTS.items()]  # noqa: E731
     static, gather = _run(_engine(model), reqs()), _run(_engine(model, static=False), reqs())
     for k, p in PROMPTS.items():

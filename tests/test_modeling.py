@@ -1,10 +1,11 @@
-"""The plain-torch Qwen2 / Llama decoder agrees with transformers and round-trips HF checkpoints."""
+"""The plain-torch Qwen2 / Qwen3 / Llama / Mistral decoder agrees with transformers and round-trips HF
+checkpoints, RoPE scaling included."""
 
 import pytest
 import torch
 
-from areal_bus.modeling import (TINY_LLAMA, TINY_QWEN2, KVCache, ModelConfig, load_pretrained, make_random_model,
-                                save_pretrained, token_logprobs)
+from areal_bus.modeling import (TINY_LLAMA, TINY_LLAMA31, TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3, KVCache, ModelConfig,
+                                load_pretrained, make_random_model, save_pretrained, token_logprobs)
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
 transformers = pytest.importorskip("transformers")
@@ -14,13 +15,26 @@ def _ids(cfg: dict, b: int, t: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, cfg["vocab_size"], (b, t), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("cfg,hf_class", [(TINY_QWEN2, "Qwen2ForCausalLM"), (TINY_LLAMA, "LlamaForCausalLM")])
+LINEAR = {**TINY_LLAMA, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+YARN = {**TINY_LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}}
+
+
+@pytest.mark.parametrize("cfg,hf_class", [
+    (TINY_QWEN2, "Qwen2ForCausalLM"), (TINY_LLAMA, "LlamaForCausalLM"), (TINY_QWEN3, "Qwen3ForCausalLM"),
+    (TINY_LLAMA31, "LlamaForCausalLM"), (TINY_MISTRAL, "MistralForCausalLM"), (LINEAR, "LlamaForCausalLM"),
+    (YARN, "LlamaForCausalLM")], ids=["qwen2", "llama", "qwen3", "llama3.1-rope", "mistral", "linear-rope", "yarn-rope"])
 def test_logits_match_transformers(tmp_path, cfg, hf_class):
     ours = make_random_model(cfg, seed=1, std=0.2)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # norms other than ones, so a norm in the wrong place (q's on k) shows
+        for name, p in ours.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.5 * torch.randn(p.shape, generator=gen))
     save_pretrained(ours, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(hf).__name__ == hf_class
-    ids = _ids(cfg, 2, 19)
+    assert hf.model.rotary_emb.rope_type == dict(cfg.get("rope_scaling") or {"rope_type": "default"})["rope_type"]
+    ids = _ids(cfg, 2, 150)  # past the scaled types' original 64 / 128 positions
     with torch.no_grad():
         assert torch.allclose(ours(ids), hf(ids).logits, atol=1e-4, rtol=0)
 
@@ -39,18 +53,22 @@ def test_right_padded_batch_matches_transformers(tmp_path):
     assert torch.allclose(a[real], b[real], atol=1e-4, rtol=0)
 
 
-def test_loads_checkpoint_written_by_transformers(tmp_path):
-    hf_cfg = transformers.Qwen2Config(**{k: v for k, v in TINY_QWEN2.items() if k != "model_type"})
+@pytest.mark.parametrize("cfg,config_class,model_class", [
+    (TINY_QWEN2, "Qwen2Config", "Qwen2ForCausalLM"), (TINY_QWEN3, "Qwen3Config", "Qwen3ForCausalLM"),
+    (TINY_LLAMA31, "LlamaConfig", "LlamaForCausalLM")], ids=["qwen2", "qwen3", "llama3.1-rope"])
+def test_loads_checkpoint_written_by_transformers(tmp_path, cfg, config_class, model_class):
+    hf_cfg = getattr(transformers, config_class)(**{k: v for k, v in cfg.items() if k != "model_type"})
     torch.manual_seed(3)
-    hf = transformers.Qwen2ForCausalLM(hf_cfg).eval()
+    hf = getattr(transformers, model_class)(hf_cfg).eval()
     hf.save_pretrained(tmp_path)
     ours = load_pretrained(tmp_path)
-    ids = _ids(TINY_QWEN2, 2, 12)
+    ids = _ids(cfg, 2, 100)
     with torch.no_grad():
         assert torch.allclose(ours(ids), hf(ids).logits, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("cfg", [TINY_QWEN2, TINY_LLAMA], ids=["tied", "untied"])
+@pytest.mark.parametrize("cfg", [TINY_QWEN2, TINY_LLAMA, TINY_QWEN3, TINY_LLAMA31],
+                         ids=["tied", "untied", "qwen3", "llama3.1-rope"])
 def test_save_load_round_trip_is_exact(tmp_path, cfg):
     model = make_random_model(cfg, seed=4, std=0.2)
     save_pretrained(model, tmp_path)
@@ -72,9 +90,17 @@ def test_config_reads_legacy_and_v5_rope_fields():
     assert legacy.attention_bias and not ModelConfig.from_hf(TINY_LLAMA).attention_bias
 
 
-def test_config_refuses_unsupported_rope_scaling():
-    with pytest.raises(ValueError, match="RoPE"):
-        ModelConfig.from_hf({**TINY_LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "made-up"])
+def test_config_refuses_rope_scaling_that_changes_with_length_or_is_unknown(rope_type):
+    with pytest.raises(ValueError, match=f"RoPE type '{rope_type}' not supported"):
+        ModelConfig.from_hf({**TINY_LLAMA, "rope_scaling": {"rope_type": rope_type, "factor": 8.0}})
+
+
+def test_config_refuses_sliding_window_and_unknown_architectures():
+    with pytest.raises(ValueError, match="sliding-window"):
+        ModelConfig.from_hf({**TINY_MISTRAL, "sliding_window": 4096})  # Mistral 7B v0.1
+    with pytest.raises(ValueError, match="model_type 'gemma' not supported"):
+        ModelConfig.from_hf({**TINY_LLAMA, "model_type": "gemma"})
 
 
 def test_token_logprobs_are_tempered_log_softmax_of_next_token():

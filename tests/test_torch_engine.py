@@ -9,7 +9,7 @@ import torch
 
 from areal_bus.engines.torch_engine import TorchRolloutEngine
 from areal_bus.messages import GenerateRequest
-from areal_bus.modeling import (TINY_LLAMA, TINY_QWEN2, KVCache, make_random_model, save_pretrained,
+from areal_bus.modeling import (TINY_LLAMA, TINY_LLAMA31, TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3, KVCache, make_random_model, save_pretrained,
                                 token_logprobs)
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
@@ -63,7 +63,8 @@ def _full_logprobs(model, prompt, comp, temperature):
     return lp[0, len(prompt):].float().cpu().numpy()
 
 
-@pytest.mark.parametrize("cfg", [TINY_QWEN2, TINY_LLAMA], ids=["qwen2", "llama"])
+@pytest.mark.parametrize("cfg", [TINY_QWEN2, TINY_LLAMA, TINY_QWEN3, TINY_LLAMA31, TINY_MISTRAL],
+                         ids=["qwen2", "llama", "qwen3", "llama3.1-rope", "mistral"])
 def test_greedy_batch_equals_naive_full_forward_loop(cfg):
     model = _model(cfg)
     out = _run(_engine(model), [_req(k, p) for k, p in PROMPTS.items()])

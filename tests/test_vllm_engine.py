@@ -62,6 +62,25 @@ def _out(rid, tokens, lps, finished=False, reason=None, extra=None):
     return RequestOutput(rid, [CompletionOutput(list(tokens), dicts, reason)], finished)
 
 
+# -- the checkpoint ---------------------------------------------------------------------------------------
+
+def test_what_the_engine_reads_of_a_checkpoint_comes_from_transformers_for_any_architecture(tmp_path):
+    """Before: the engine built areal_bus.modeling's config for it, so a Qwen3 or Llama 3.1 checkpoint (and any
+    architecture that decoder does not run) was refused before vLLM saw it."""
+    import transformers
+
+    from areal_bus.modeling import TINY_LLAMA31, TINY_QWEN3, make_random_model, save_pretrained
+
+    save_pretrained(make_random_model(TINY_QWEN3, 0), tmp_path / "qwen3")
+    save_pretrained(make_random_model({**TINY_LLAMA31, "eos_token_id": [2, 5, 7]}, 0), tmp_path / "llama3.1")
+    gemma = transformers.Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, eos_token_id=1)
+    transformers.Gemma2ForCausalLM(gemma).save_pretrained(tmp_path / "gemma2")  # no decoder of ours runs it
+    assert ve.served_facts(tmp_path / "qwen3") == (True, [2])
+    assert ve.served_facts(tmp_path / "llama3.1") == (False, [2, 5, 7])
+    assert ve.served_facts(tmp_path / "gemma2") == (True, [1])
+
+
 # -- requests -----------------------------------------------------------------------------------------
 
 

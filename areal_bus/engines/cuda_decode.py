@@ -108,7 +108,7 @@ class StaticDecoder:
         self.logits = torch.empty(self.max_batch, cfg.vocab_size, dtype=self.dtype, device=dev)
         self.key_pos = torch.arange(self.max_len, device=dev)
         # The same values rope_cos_sin gives the model's own forward (computed in float32, then cast).
-        cos, sin = rope_cos_sin(self.key_pos[None], self.head_dim, cfg.rope_theta, self.dtype)
+        cos, sin = rope_cos_sin(self.key_pos[None], cfg, self.dtype)
         self.cos, self.sin = cos[0, 0], sin[0, 0]  # [max_len, head_dim]
         with torch.no_grad():
             self.w_qkv, self.b_qkv, self.w_gate_up = [], [], []
@@ -200,8 +200,10 @@ class StaticDecoder:
                 attn = layer.self_attn
                 qkv = F.linear(layer.input_layernorm(x), self.w_qkv[i], self.b_qkv[i])
                 q, k, v = qkv.split(self.splits, dim=-1)
-                q = apply_rope(q.view(b, h_, d), cos, sin)
-                k = apply_rope(k.view(b, kv, d), cos, sin)
+                q, k = q.view(b, h_, d), k.view(b, kv, d)
+                if attn.qk_norm:  # Qwen3
+                    q, k = attn.q_norm(q), attn.k_norm(k)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
                 k_cache, v_cache = cache.k[i, :b], cache.v[i, :b]  # [b, kv, max_len, d], views
                 k_cache.scatter_(2, write_at, k[:, :, None])
                 v_cache.scatter_(2, write_at, v.reshape(b, kv, 1, d))

@@ -204,6 +204,20 @@ def fit_engine_args(kwargs: dict, known: Iterable[str]) -> dict:
     return {k: v for k, v in kwargs.items() if k in known}
 
 
+def served_facts(model_path: str | Path) -> tuple[bool, list[int]]:
+    """(whether the checkpoint's lm_head is its embedding, its eos ids), from its config.json as
+    transformers reads it (class defaults included): any architecture vLLM and the trainer's
+    transformers model serve, not only those areal_bus.modeling's own decoder runs."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    text = cfg.get_text_config()  # a multimodal checkpoint's language model
+    tied = getattr(cfg, "tie_word_embeddings", None)
+    eos = getattr(text, "eos_token_id", None)
+    return bool(getattr(text, "tie_word_embeddings", False) if tied is None else tied), \
+        eos_ids(getattr(cfg, "eos_token_id", None) if eos is None else eos)
+
+
 def eos_ids(eos) -> list[int]:
     """A config's ``eos_token_id`` (None, an int or a list) as a list."""
     return [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
@@ -393,16 +407,13 @@ class VllmRolloutEngine:
                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, weights: Mapping | None = None,
                  cuda_handles_file: str | Path | None = None, prefix_caching: bool = True,
                  skip_tokenizer_init: bool = False):
-        from areal_bus.modeling import ModelConfig
-
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         self._vllm, self._prompt, self._delta = vllm, TokensPrompt, RequestOutputKind.DELTA
-        cfg = ModelConfig.from_hf(model_path)
-        self.tied = cfg.tie_word_embeddings
-        self.eos_token_ids = eos_ids(cfg.eos_token_id) if eos_token_ids is None else [int(t) for t in eos_token_ids]
+        self.tied, eos = served_facts(model_path)
+        self.eos_token_ids = eos if eos_token_ids is None else [int(t) for t in eos_token_ids]
         self.expected = {k: list(v) for k, v in checkpoint_shapes(model_path).items()}
         self.max_batch, self.max_len, self.worker, self.version = max_batch, max_len, worker, version
         kwargs = engine_kwargs(model_path, max_batch=max_batch, max_len=max_len, dtype=dtype, seed=seed,
