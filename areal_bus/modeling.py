@@ -135,7 +135,8 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
             qk_norm=model_type == "qwen3",
             rope_scaling=() if rope_type == "default" else tuple(sorted(
-                {k: v for k, v in rope.items() if k not in ("type", "rope_theta")}.items() | {("rope_type", rope_type)})),
+                {k: v for k, v in rope.items() if k not in ("type", "rope_theta")}.items()
+                | {("rope_type", rope_type)})),
         )
 
     def to_hf(self, dtype: torch.dtype = torch.float32) -> dict:
@@ -573,7 +574,8 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) ->
 
 
 __all__ = [
-    "QWEN2_0_5B", "TINY_QWEN2", "TINY_LLAMA", "TINY_QWEN3", "TINY_LLAMA31", "TINY_MISTRAL", "ROPE_TYPES", "ModelConfig", "CausalLM", "KVCache", "as_dtype",
+    "QWEN2_0_5B", "TINY_QWEN2", "TINY_LLAMA", "TINY_QWEN3", "TINY_LLAMA31", "TINY_MISTRAL", "ROPE_TYPES",
+    "ModelConfig", "CausalLM", "KVCache", "as_dtype",
     "scaled_logits", "logprobs_of", "logprobs_and_normaliser", "token_logprobs", "load_safetensors", "check_state_dict",
     "load_pretrained", "save_pretrained", "save_state_dict", "make_random_model", "num_params", "kv_bytes_per_token",
 ]

@@ -82,7 +82,8 @@ def family_model(name: str, tok, seed: int = 0):
     """A random model of the family's architecture over ``tok``'s vocabulary (eos: the tokenizer's)."""
     from areal_bus.modeling import TINY_LLAMA31, TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3, make_random_model
 
-    base = {"qwen2": TINY_QWEN2, "qwen3": TINY_QWEN3, "llama3.1": TINY_LLAMA31, "mistral": TINY_MISTRAL}[FAMILIES[name].arch]
+    arch = {"qwen2": TINY_QWEN2, "qwen3": TINY_QWEN3, "llama3.1": TINY_LLAMA31, "mistral": TINY_MISTRAL}
+    base = arch[FAMILIES[name].arch]
     cfg = {**base, "vocab_size": len(tok), "eos_token_id": tok.eos_token_id, "max_position_embeddings": 2048,
            "bos_token_id": tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id}
     return make_random_model(cfg, seed=seed, std=0.2)

@@ -22,7 +22,8 @@ YARN = {**TINY_LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "orig
 @pytest.mark.parametrize("cfg,hf_class", [
     (TINY_QWEN2, "Qwen2ForCausalLM"), (TINY_LLAMA, "LlamaForCausalLM"), (TINY_QWEN3, "Qwen3ForCausalLM"),
     (TINY_LLAMA31, "LlamaForCausalLM"), (TINY_MISTRAL, "MistralForCausalLM"), (LINEAR, "LlamaForCausalLM"),
-    (YARN, "LlamaForCausalLM")], ids=["qwen2", "llama", "qwen3", "llama3.1-rope", "mistral", "linear-rope", "yarn-rope"])
+    (YARN, "LlamaForCausalLM")],
+    ids=["qwen2", "llama", "qwen3", "llama3.1-rope", "mistral", "linear-rope", "yarn-rope"])
 def test_logits_match_transformers(tmp_path, cfg, hf_class):
     ours = make_random_model(cfg, seed=1, std=0.2)
     gen = torch.Generator().manual_seed(5)

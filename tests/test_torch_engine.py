@@ -9,8 +9,8 @@ import torch
 
 from areal_bus.engines.torch_engine import TorchRolloutEngine
 from areal_bus.messages import GenerateRequest
-from areal_bus.modeling import (TINY_LLAMA, TINY_LLAMA31, TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3, KVCache, make_random_model, save_pretrained,
-                                token_logprobs)
+from areal_bus.modeling import (TINY_LLAMA, TINY_LLAMA31, TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3, KVCache,
+                                make_random_model, save_pretrained, token_logprobs)
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
 PROMPTS = {"a": [1, 5, 9, 14, 3], "b": [7, 2], "c": [11, 4, 4, 8, 20, 33, 6, 17, 5], "d": [42]}
