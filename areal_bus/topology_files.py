@@ -33,6 +33,8 @@ def check_files(topo: Topology, base: Path | None = None, source: str = "<topolo
     problems: list[str] = []
     if topo.needs_model():
         problems += _check_model("model.path", topo.model.path, topo.model_path(base))
+        if not problems:
+            problems += _check_decoder(topo, topo.model_path(base))
     problems += check_agent(topo, base)  # agent.framework / reward_source plug-ins, agent.dataset
     routers = []
     if topo.replicas("gateway") and topo.gateway_config().router_config:
@@ -55,6 +57,25 @@ def check_files(topo: Topology, base: Path | None = None, source: str = "<topolo
         raise TopologyError("\n".join([f"{source}: files the run needs ({len(problems)} problem"
                                        f"{'s' if len(problems) > 1 else ''})", *(f"  {p}" for p in problems)]))
     return sorted(set(key_vars))
+
+
+def _check_decoder(topo: Topology, path: Path) -> list[str]:
+    """The torch rollout engine, and the trainer's held-out evaluation on any engine, run the project's own
+    decoder (areal_bus/modeling.py), which knows fewer architectures than transformers and vLLM: one it
+    does not know is refused here, not in a rollout worker's crash loop."""
+    from areal_bus.modeling import ModelConfig
+
+    uses = [what for what, used in (("rollout_engine.kind 'torch'", topo.rollout_engine.kind == "torch"),
+                                    ("trainer_engine.eval_interval > 0", topo.trainer_engine.eval_interval > 0))
+            if used]
+    if not uses or topo.rollout_engine.kind == "sim":
+        return []
+    try:
+        ModelConfig.from_hf(path)
+    except (ValueError, KeyError) as err:
+        return [f"model.path: {path}: {err}; {' and '.join(uses)} run areal_bus/modeling.py's decoder: roll out "
+                f"with rollout_engine.kind 'vllm' (on a GPU) and set trainer_engine.eval_interval: 0"]
+    return []
 
 
 def _check_model(field: str, written: str, path: Path) -> list[str]:

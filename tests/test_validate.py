@@ -131,6 +131,19 @@ def test_a_model_folder_without_config_json_is_refused(run_in, tmp_path):
     assert status == 2 and f"model.path: no model at {tmp_path / 'empty'} (no config.json in it)" in err
 
 
+def test_an_architecture_the_torch_engine_cannot_run_is_refused_naming_what_would_run_it(run_in, tmp_path):
+    import transformers
+
+    gemma = transformers.Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    transformers.Gemma2ForCausalLM(gemma).save_pretrained(tmp_path / "gemma")
+    text = ("model: {path: gemma}\nrollout_engine: {kind: torch}\ntrainer_engine: {kind: torch, eval_interval: 5}\n"
+            "agent: {framework: guess}\n")
+    status, err = run_in(text)
+    assert status == 2 and "model_type 'gemma2' not supported" in err, err
+    assert "rollout_engine.kind 'torch' and trainer_engine.eval_interval > 0" in err and "'vllm'" in err
+
+
 def test_render_refuses_a_missing_model_folder_and_writes_no_conf(run_in, tmp_path):
     status, err = run_in("model: {path: nope}\nrollout_engine: {kind: torch}\ntrainer_engine: {kind: torch}\n"
                          "agent: {framework: guess}\n", command="render")
