@@ -1,7 +1,7 @@
 """The trainer's policy on transformers' model classes: every architecture users bring trains on CPU
 with a tiny random config (packed log-probabilities equal the unpacked ones, one PPO step, a
-checkpoint that reloads to the same numbers), and float32 master weights keep an lr 1e-6 update
-that pure bfloat16 loses."""
+checkpoint that reloads to the same numbers), the torch rollout engine's own decoder gives the same
+log-probabilities for each, and float32 master weights keep an lr 1e-6 update that pure bfloat16 loses."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from areal_bus.loss import decoupled_ppo_loss
-from areal_bus.modeling import logprobs_of
+from areal_bus.modeling import load_pretrained, logprobs_of, token_logprobs
 from areal_bus.packing import pack
 from areal_bus.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, head_logprobs, load_policy,
                                    packed_logprobs, train_flops)
@@ -81,6 +81,18 @@ def test_each_architecture_packs_trains_and_reloads(kind, tmp_path):
     again = load_policy(tmp_path / "ckpt")
     with torch.no_grad():
         torch.testing.assert_close(packed_logprobs(again, packed)[0], after.detach(), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", sorted(ARCHITECTURES))
+def test_the_rollout_decoder_samples_with_the_trainers_log_probabilities_for_each_architecture(kind, tmp_path):
+    """The behaviour log-probabilities the torch engine records (areal_bus/modeling.py, from the checkpoint
+    transformers wrote) are what the trainer recomputes: its importance weights start at 1."""
+    _save_random(kind, tmp_path / "m")
+    trainer, rollout = load_policy(tmp_path / "m"), load_pretrained(tmp_path / "m")
+    with torch.no_grad():
+        for sample in _samples(np.random.default_rng(2), [9, 70, 130]):  # past llama3's 64 original positions
+            ours = token_logprobs(rollout, torch.from_numpy(sample["ids"].astype(np.int64))[None])[0]
+            torch.testing.assert_close(ours, _unpacked_logprobs(trainer, sample["ids"]), atol=2e-5, rtol=1e-5)
 
 
 def test_transformers_sdpa_packed_path_agrees_with_the_varlen_attention(tmp_path):
