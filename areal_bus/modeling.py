@@ -6,7 +6,7 @@ policy) and differentiates it (PPO ratio). Keeping the network, the weight names
 ``token_logprobs`` in one module is what makes those numbers comparable.
 
 Parameter names are Hugging Face's (``model.layers.{i}.self_attn.q_proj.weight`` ...), so
-``load_pretrained`` reads a Qwen2 / Llama checkpoint directory as is and ``save_pretrained`` writes one
+``load_pretrained`` reads a checkpoint directory of these families as is and ``save_pretrained`` writes one
 that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 
 Supported: RMSNorm, RoPE (``rope_theta``) with the scaling types whose frequencies do not change with

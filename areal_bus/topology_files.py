@@ -65,16 +65,18 @@ def _check_decoder(topo: Topology, path: Path) -> list[str]:
     does not know is refused here, not in a rollout worker's crash loop."""
     from areal_bus.modeling import ModelConfig
 
-    uses = [what for what, used in (("rollout_engine.kind 'torch'", topo.rollout_engine.kind == "torch"),
-                                    ("trainer_engine.eval_interval > 0", topo.trainer_engine.eval_interval > 0))
-            if used]
+    uses = [(what, fix) for what, fix, used in (
+        ("rollout_engine.kind 'torch'", "roll out with rollout_engine.kind 'vllm' (on a GPU)",
+         topo.rollout_engine.kind == "torch"),
+        ("trainer_engine.eval_interval > 0", "set trainer_engine.eval_interval: 0", topo.trainer_engine.eval_interval > 0),
+    ) if used]
     if not uses or topo.rollout_engine.kind == "sim":
         return []
     try:
         ModelConfig.from_hf(path)
     except (ValueError, KeyError) as err:
-        return [f"model.path: {path}: {err}; {' and '.join(uses)} run areal_bus/modeling.py's decoder: roll out "
-                f"with rollout_engine.kind 'vllm' (on a GPU) and set trainer_engine.eval_interval: 0"]
+        return [f"model.path: {path}: {err}; {' and '.join(w for w, _ in uses)} run areal_bus/modeling.py's "
+                f"decoder: {' and '.join(f for _, f in uses)}"]
     return []
 
 
