@@ -92,20 +92,17 @@ def test_global_batch_larger_than_the_queue_is_refused(write):
     assert "queue_max_size" in msg
 
 
-def test_agents_whose_whole_groups_can_never_fill_a_synchronous_batch_are_refused_with_a_batch_that_works(write):
-    spec = ("async: {{enabled: false}}\nagent: {{group_size: 8}}\nnodes: {{agent: {{replicas: 3}}}}\n"
-            "global_batch_size: {}\n")
-    msg = _error(write(spec.format(32)))
-    assert "global_batch_size (32)" in msg and "multiple of 3 x 8 (e.g. 48)" in msg and "agent-2" in msg
-    assert load_topology(write(spec.format(48), "fixed.yaml")).global_batch_size == 48
-
-
-def test_agents_whose_whole_groups_cannot_make_a_trigger_batch_are_refused_with_a_trigger_that_works(write):
-    spec = ("async: {{enabled: true}}\nagent: {{group_size: 8}}\nnodes: {{agent: {{replicas: 4}}}}\n"
-            "staleness_threshold: 1\nglobal_batch_size: 64\ntrigger_batch_size: {}\n")
-    msg = _error(write(spec.format(8)))
-    assert "trigger_batch_size (8)" in msg and "would stall" in msg and "e.g. to 15" in msg
-    assert load_topology(write(spec.format(15), "fixed.yaml")).trigger_batch_size == 15
+@pytest.mark.parametrize("spec, bad, good, says", [
+    ("async: {{enabled: false}}\nagent: {{group_size: 8}}\nnodes: {{agent: {{replicas: 3}}}}\nglobal_batch_size: {}\n",
+     32, 48, ["global_batch_size (32)", "multiple of 3 x 8 (e.g. 48)", "agent-2"]),
+    ("async: {{enabled: true}}\nagent: {{group_size: 8}}\nnodes: {{agent: {{replicas: 4}}}}\nstaleness_threshold: 1\n"
+     "global_batch_size: 64\ntrigger_batch_size: {}\n", 8, 15, ["trigger_batch_size (8)", "would stall", "e.g. to 15"]),
+], ids=["sync-batch", "async-trigger"])
+def test_agents_whose_whole_groups_can_never_make_an_update_are_refused_with_a_setting_that_works(
+        write, spec, bad, good, says):
+    msg = _error(write(spec.format(bad)))
+    assert all(s in msg for s in says), msg
+    load_topology(write(spec.format(good), "fixed.yaml"))  # the setting the message names validates
 
 
 def test_singleton_node_with_replicas_is_refused(write):
