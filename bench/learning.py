@@ -355,11 +355,13 @@ def report(pairs: dict[int, dict]) -> int:
               f"{sd(l3):.3f}, wall {statistics.mean(w):.0f} +- {sd(w):.0f} s over {len(rs)} seeds")
         fields += [f"{mode}_final_mean={statistics.mean(f):.3f}", f"{mode}_final_sd={sd(f):.3f}",
                    f"{mode}_last3_mean={statistics.mean(l3):.3f}", f"{mode}_wall_s={statistics.mean(w):.0f}"]
+    # The standard error of a mean gap over independent seeds: a 2-point claim needs it well under 0.02.
+    se = lambda xs: sd(xs) / len(xs) ** 0.5  # noqa: E731
     print(f"async - sync at equal samples, per seed: {' '.join(f'{g:+.3f}' for g in gaps)}; mean "
-          f"{statistics.mean(gaps):+.3f}")
+          f"{statistics.mean(gaps):+.3f} (sd over seeds {sd(gaps):.3f}, standard error {se(gaps):.3f})")
     print(f"async - sync at equal samples, mean over sync's evaluations from half its samples, per seed: "
           f"{' '.join(f'{g:+.3f}' for g in late_gaps)}; mean {statistics.mean(late_gaps):+.3f} "
-          f"(sd over seeds {sd(late_gaps):.3f})")
+          f"(sd over seeds {sd(late_gaps):.3f}, standard error {se(late_gaps):.3f})")
     for key, label in (("last3", "final last-3 mean"), ("final", "final evaluation")):
         got = [(c, end) for k, c, end in catch if k == key]
         print(f"async first at sync's {label}, per seed (t from the warm start's evaluation; sync's t at its "
@@ -368,7 +370,8 @@ def report(pairs: dict[int, dict]) -> int:
     sooner = sum(1 for k, c, end in catch if k == "final" and c is not None and c < end)
     fields.append(f"async_reached_sync_final_sooner={sooner}/{len(pairs)}")
     print("RESULT " + " ".join(fields) + f" equal_samples_gap_mean={statistics.mean(gaps):+.3f}"
-          f" late_gap_mean={statistics.mean(late_gaps):+.3f}")
+          f" equal_samples_gap_se={se(gaps):.3f} late_gap_mean={statistics.mean(late_gaps):+.3f}"
+          f" late_gap_se={se(late_gaps):.3f}")
     return 0
 
 

@@ -1,0 +1,27 @@
+"""bench/learning.py --combine: the seeds' summary read back from saved pairs of runs (the SmolLM2 records
+of bench/runs/smollm2-20261204, as bench/RESULTS.md quotes them), run as a script."""
+
+from __future__ import annotations
+
+import gzip
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = ROOT / "bench" / "runs" / "smollm2-20261204"
+
+
+def test_combine_prints_each_seeds_gap_at_equal_samples_and_the_standard_error_of_their_mean(tmp_path):
+    for seed in (3, 7):
+        for mode, stem in (("async", "ltn-in_order-async"), ("sync", "ltn-sync")):
+            (tmp_path / f"{mode}-seed{seed}.json").write_bytes(gzip.decompress((RUNS / f"{stem}-seed{seed}.json.gz")
+                                                                              .read_bytes()))
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "learning.py"), "--combine", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    # RESULTS' table: seed 3 +0.030, seed 7 +0.075 at sync's 5,120 samples (their mean 0.0525 prints +0.052)
+    assert "async - sync at equal samples, per seed: +0.030 +0.075; mean +0.052 (sd over seeds 0.032, " \
+           "standard error 0.022)" in out.stdout, out.stdout
+    result = out.stdout.splitlines()[-1]
+    assert result.startswith("RESULT ") and "equal_samples_gap_mean=+0.052 equal_samples_gap_se=0.022" in result
