@@ -64,6 +64,7 @@ at is the updates it holds), and a sample's versions are the int32 numbers its t
 from __future__ import annotations
 
 from areal_bus import messages as m
+from areal_bus.constants import SOURCE_GONE_S
 from areal_bus.version import PolicyVersion
 
 
@@ -240,14 +241,16 @@ class Sources:
     topology's; then a source whose heartbeat comes that is not among them joins (the topology was scaled
     up and ``supervisorctl update`` started it: it read the new topology, the running ones did not), and
     one that says on the hub that it leaves goes (scaled down: update stops it with SIGTERM). A source
-    that dies without a word keeps its share: supervisorctl restarts it, and its share handed to the
-    others meanwhile would overshoot the rule when it came back. Pure: nodes/agent and nodes/gateway
-    feed it their hub's heartbeats and leaving notices."""
+    that dies without a word keeps its share for ``SOURCE_GONE_S``: supervisord restarts it, and its share
+    handed to the others meanwhile would overshoot the rule when it came back; dead longer, it is gone
+    (removed while dead, or given up by supervisord) until a heartbeat of it comes again. Pure (time is
+    passed in): nodes/agent and nodes/gateway feed it their hub's heartbeats, deaths and leaving notices."""
 
     def __init__(self, topo, me: str):
         self.kinds = ("agent", "gateway") if topo.agent.via == "bus" else ("gateway",)
         self.names = list(topo.admission_sources())
         self.me = me
+        self.dead: dict[str, float] = {}  # source -> when its death was noticed
 
     def _key(self, name: str) -> tuple[int, int]:
         kind, _, replica = name.rpartition("-")
@@ -268,15 +271,21 @@ class Sources:
         self.names.remove(node_id)
         return True
 
-    def hear(self, msg, admission: Admission) -> bool:
-        """A message of ``NodeShell.drain_hub``: a source's heartbeat, or its ``peer_left`` notice (the
-        node must watch the source kinds), changes the set and ``admission``'s share with it. True if so."""
+    def hear(self, msg, admission: Admission, now: float) -> bool:
+        """A message of ``NodeShell.drain_hub`` at ``now`` (monotonic): a source's heartbeat, its
+        ``peer_left`` notice or ``peer_dead`` (the node must watch the source kinds) changes the set and
+        ``admission``'s share with it, as does a death older than ``SOURCE_GONE_S``. True if so."""
+        changed = False
         if isinstance(msg, m.Heartbeat):
+            self.dead.pop(msg.node_id, None)
             changed = self.joined(msg.node_id, msg.kind)
         elif isinstance(msg, m.Event) and msg.name == "peer_left":
             changed = self.left(msg.node_id)
-        else:
-            return False
+        elif isinstance(msg, m.Event) and msg.name == "peer_dead" and msg.node_id in self.names:
+            self.dead.setdefault(msg.node_id, now)
+        for name in [n for n, t in self.dead.items() if now - t > SOURCE_GONE_S]:
+            del self.dead[name]
+            changed = self.left(name) or changed
         if changed:
             admission.reshare(len(self.names), self.names.index(self.me))
         return changed

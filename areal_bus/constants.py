@@ -103,6 +103,12 @@ restarted trainer exports its start weights before its first RunState goes out (
 most, the RunState repeat); ten times that absorbs a loaded 2-core box without letting a forged
 lineage sit unnoticed."""
 
+SOURCE_GONE_S = 120.0
+"""An episode source (agent, gateway) dead this long is gone for the others sharing the admission batch
+(admission.Sources): removed while dead, or dead for good (FATAL), it would otherwise keep a share no
+one uses for the rest of the run. supervisord restarts a crashed one within seconds (its backoff over
+startretries), and one that comes back later takes its share again at its first heartbeat."""
+
 WATCHDOG_SILENT_S = 5.0
 """A node whose heartbeat has been missing this long while its process lives is logged as stalled by
 the watchdog (areal_bus/watchdog.py). Peers call a node dead after 2 s (HEARTBEAT_LIVENESS); the

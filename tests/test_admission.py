@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from areal_bus import messages as m
 from areal_bus.admission import Admission, Sources, capacity, group_stall, is_over_stale, staleness_of
+from areal_bus.constants import SOURCE_GONE_S
 from areal_bus.version import PolicyVersion
 
 
@@ -478,7 +479,7 @@ def _beat(node_id: str) -> m.Heartbeat:
                        counters={}, gauges={}, hists={})
 
 
-def test_sources_scaled_while_running_share_the_batch_anew_and_a_silent_one_keeps_its_share():
+def test_sources_scaled_while_running_share_the_batch_anew_and_a_dead_one_keeps_its_share_for_a_while():
     from areal_bus.topology import parse_topology
 
     topo = parse_topology({"global_batch_size": 32, "trigger_batch_size": 16, "nodes": {"agent": {"replicas": 2}}})
@@ -492,17 +493,23 @@ def test_sources_scaled_while_running_share_the_batch_anew_and_a_silent_one_keep
     views["agent-2"] = (Sources(new, "agent-2"), Admission.of(new, "agent-2"))  # started by supervisorctl update
     for name in ("agent-0", "agent-1"):
         src, adm = views[name]
-        assert src.hear(_beat("agent-2"), adm) and not src.hear(_beat("agent-2"), adm)  # once
-        assert not src.hear(_beat("rollout-0"), adm) and not src.hear(_beat("gateway"), adm)
+        assert src.hear(_beat("agent-2"), adm, 0.0) and not src.hear(_beat("agent-2"), adm, 0.1)  # once
+        assert not src.hear(_beat("rollout-0"), adm, 0.2) and not src.hear(_beat("gateway"), adm, 0.3)
         assert src.names == ["agent-0", "agent-1", "agent-2"]
     assert total(views) == 16 and sorted(a.batch_share for _, a in views.values()) == [5, 5, 6]
     # agent-1 is scaled away: it says it leaves; the others share its part
     left = m.Event(name="peer_left", node_id="agent-1", fields={"kind": "agent"})
     for name in ("agent-0", "agent-2"):
-        assert views[name][0].hear(left, views[name][1])
+        assert views[name][0].hear(left, views[name][1], 1.0)
     assert total(["agent-0", "agent-2"]) == 16
     assert views["agent-0"][0].names == views["agent-2"][0].names == ["agent-0", "agent-2"]
-    # one that dies without a word (kill -9) keeps its share for its restart: its death changes nothing
+    # one that dies without a word (kill -9) keeps its share while supervisord restarts it...
     src, adm = views["agent-0"]
     dead = m.Event(name="peer_dead", node_id="agent-2", fields={"kind": "agent"})
-    assert not src.hear(dead, adm) and not src.hear(left, adm) and adm.batch_share == 8
+    assert not src.hear(dead, adm, 10.0) and not src.hear(left, adm, 11.0) and adm.batch_share == 8
+    assert not src.hear(_beat("agent-2"), adm, 12.0)  # back: nothing changed
+    # ...and is gone once dead for longer (removed while dead, or given up), until it beats again
+    assert not src.hear(dead, adm, 20.0) and not src.hear(_beat("trainer-0"), adm, 20.0 + SOURCE_GONE_S)
+    assert src.hear(_beat("trainer-0"), adm, 20.1 + SOURCE_GONE_S) and src.names == ["agent-0"]
+    assert adm.batch_share == 16
+    assert src.hear(_beat("agent-2"), adm, 500.0) and adm.batch_share == 8

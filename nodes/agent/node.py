@@ -35,14 +35,14 @@ def downstream(topo, shell) -> list[str]:
 
 def on_hub(shell, src: EpisodeSource, sender: ReliableSender, consumer_kind: str, now: float) -> None:
     for _, msg in shell.drain_hub():
+        if src.sources.hear(msg, src.admission, now):  # agents or gateways scaled (or gone) while the run goes on
+            shell.log.info("admission_sources", sources=",".join(src.sources.names), share=src.admission.batch_share)
         if isinstance(msg, m.VersionAnnounce):
             src.on_version(msg)
         elif isinstance(msg, m.TrajAck):
             sender.settle(msg)  # admission counts come from the run state, not from acks
         elif isinstance(msg, m.Heartbeat) and msg.kind == "rollout":
             src.on_claims(msg.node_id, msg.inflight)
-        elif src.sources.hear(msg, src.admission):  # agents or gateways scaled while the run goes on
-            shell.log.info("admission_sources", sources=",".join(src.sources.names), share=src.admission.batch_share)
         elif isinstance(msg, m.Event) and msg.name in ("peer_dead", "peer_left", "peer_restarted") \
                 and msg.fields.get("kind") == "rollout":
             # A worker that left (scaled away) answered what it could first: the rest is ours again now. One

@@ -118,7 +118,11 @@ class GatewayWiring:
 
     def hub_tick(self) -> None:
         shell, sender = self.shell, self.sender
+        now = time.monotonic()
         for _, msg in shell.drain_hub():
+            if self.sources.hear(msg, self.admission, now):  # agents or gateways scaled (or gone) while running
+                shell.log.info("admission_sources", sources=",".join(self.sources.names),
+                               share=self.admission.batch_share)
             if isinstance(msg, m.TrajAck):
                 sender.settle(msg)
                 self.app[GATEWAY].settled([*msg.consumed, *msg.stale, *msg.duplicate, *msg.accepted, *msg.rejected])
@@ -128,9 +132,6 @@ class GatewayWiring:
             elif (isinstance(msg, m.Event) and msg.name == "peer_restarted"
                   and msg.fields.get("kind") == self.consumer_kind):
                 shell.log.warning("resent", trajectories=sender.resend(), reason=f"{msg.node_id} restarted")
-            elif self.sources.hear(msg, self.admission):  # agents or gateways scaled while the run goes on
-                shell.log.info("admission_sources", sources=",".join(self.sources.names),
-                               share=self.admission.batch_share)
         self.backend.set_live({p.node_id: p.incarnation for p in shell.peers.alive("rollout")})  # a restart shows
         sender.flush()
         shell.metrics.gauge("queue.unacked", len(sender.unacked))
