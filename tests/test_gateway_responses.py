@@ -156,6 +156,34 @@ def test_store_false_keeps_no_conversation_to_continue(gateway):
         gw.client().responses.create(model=POLICY, input="x", previous_response_id=r.id)
 
 
+
+class FullDisk:
+    def response(self, *args):
+        raise OSError(28, "No space left on device")
+
+
+def test_a_conversation_the_wal_cannot_store_is_a_503_or_a_response_failed_event_never_a_cut_stream(gateway):
+    """Before: a streamed reply whose conversation's WAL write failed ended without response.completed
+    or response.failed (the SDK saw a stream cut short), and a plain one was a 500 'internal_error'."""
+    gw = gateway()
+    s = gw.open_session()
+    client = gw.client(key=s["api_key"])
+    gw.call(lambda: setattr(gw.gateway.conversations, "wal", FullDisk()))
+    with pytest.raises(openai.InternalServerError) as err:
+        client.responses.create(model=POLICY, input=GAME, max_output_tokens=2)
+    assert err.value.status_code == 503 and err.value.body["code"] == "store_failed"
+    assert "No space left on device" in err.value.body["message"]
+    with client.responses.stream(model=POLICY, input=GAME, max_output_tokens=2) as stream:
+        kinds = [e.type for e in stream]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-2:] == ["error", "response.failed"] and "response.completed" not in kinds
+    counted = gw.call(lambda: dict(gw.gateway.metrics.counters))
+    assert counted["http.failed.store_failed"] == 2
+    gw.call(lambda: setattr(gw.gateway.conversations, "wal", None))
+    # both turns were recorded (the reply was generated): the session ends with them
+    assert gw.post(f"/rl/sessions/{s['session_id']}/end").json()["completions"] == 2
+
+
 REFUSED = [
     ("background", {"background": True}, "background"),
     ("truncation", {"truncation": "auto"}, "truncation"),

@@ -86,13 +86,16 @@ class Conversations:
 class ResponsesLive:
     """A streamed Response on the wire, written as PolicyChat.complete generates it (the duck type of
     live.LiveStream: ``open``, ``text``, ``finish``, ``fail``, ``stream``). ``on_done(chat)`` runs
-    before the last events go out, so a follow-up sent on response.completed finds the conversation."""
+    before the last events go out, so a follow-up sent on response.completed finds the conversation; if it
+    raises an OpenAIError (the conversation could not be stored) the stream ends in response.failed instead
+    and the error is kept in ``failed`` for the handler to count."""
 
     def __init__(self, body: dict, on_done):
         self.body, self.on_done = body, on_done
         self.stream: web.StreamResponse | None = None
         self.events: responses_api.StreamEvents | None = None
         self.gone = False
+        self.failed: OpenAIError | None = None
 
     async def open(self, request: web.Request, rid: str, prompt_tokens: int, n: int) -> None:
         self.events = responses_api.StreamEvents(self.body, responses_api.response_id(rid))
@@ -110,7 +113,12 @@ class ResponsesLive:
         await self._write(self.events.reasoning(delta))
 
     async def finish(self, resp: dict, rest: list[list[str]]) -> None:
-        self.on_done(resp)
+        try:
+            self.on_done(resp)
+        except OpenAIError as err:
+            self.failed = err
+            await self.fail(err)
+            return
         await self._write(self.events.closing(resp, rest[0]), eof=True)
 
     async def fail(self, err: OpenAIError) -> None:
@@ -152,14 +160,24 @@ class ResponsesRoutes:
         stream = bool(body.get("stream"))
 
         def done(resp: dict) -> None:
-            if body.get("store", True) is not False:
+            if body.get("store", True) is False:
+                return
+            try:
                 self.conversations.keep(owner, responses_api.response_id(resp["id"]), parent,
                                         [*new, resp["choices"][0]["message"]], self.store.sessions)
+            except Exception as exc:  # the WAL's write (disk full, I/O error): the turn is recorded, not this
+                self.log.error("response_not_stored", session=owner or "-", error=repr(exc))
+                raise OpenAIError(503, "The reply was generated and the turn recorded, but its conversation could "
+                                  f"not be stored ({type(exc).__name__}: {exc}), so previous_response_id cannot "
+                                  "continue it; retry sending the whole input.", type="server_error",
+                                  code="store_failed") from None
 
         if req.model == self.cfg.policy_model:
             live = ResponsesLive(body, done) if stream else None
             resp, _ = await self.complete(req, who, t0, live, request)
             if live is not None:
+                if live.failed is not None:  # answered on the stream (response.failed): counted here
+                    self.count_refusal(request, live.failed.status, live.failed.code)
                 return live.stream
         else:
             resp = await self.routed(req.model, chat, t0)
