@@ -235,6 +235,33 @@ def test_a_crash_under_the_same_supervisord_recovers_the_run_from_its_checkpoint
     assert (again.consumed, again.sources, again.trained) == (["t-0"], {"s": [1, 0]}, 1)
 
 
+def test_a_group_split_across_a_crash_keeps_its_dropped_members_reward_and_is_whole(tmp_path, spool, make_traj):
+    """Before: both were in memory only, so after a restart the group's last member waited GROUP_WAIT_S for
+    a mate that had gone before the crash, and then trained with itself alone as its GRPO baseline."""
+    ckpt = tmp_path / "ckpt"
+    plan_start(spool, ckpt, resume=False, incarnation="inc1", owner="sup-1")
+    over = {"agent": {"group_size": 2}, "logging": {"save_interval": 1}}
+    core = _core(spool=spool, start=Start("inc1", version=3), **over)
+    core.receive([make_traj("g-0", ticket=0, versions=(1,), group_id="g", reward=0.0),  # over-stale at 3
+                  make_traj("h-0", ticket=1, versions=(3,), group_id="h", reward=1.0),
+                  make_traj("h-1", ticket=2, versions=(3,), group_id="h", reward=0.0)])
+    core.tick(time.monotonic() + 1.0)
+    job, out = _train(core)
+    assert [t.traj_id for t in job.batch] == ["h-0", "h-1"] and job.baseline == []
+    (ckpt / "step_4").mkdir(parents=True)
+    write_run_state(ckpt / "step_4", out.job.state)  # the save after the update; then the trainer dies
+    again = plan_start(spool, ckpt, resume=False, incarnation="inc2", owner="sup-1")
+    core = TrainerCore(_topo(**over), again, spool, incarnation="inc2", lineage="002-b")
+    core.begin()
+    core.receive([make_traj("g-1", ticket=3, versions=(3,), group_id="g", reward=1.0),
+                  make_traj("k-0", ticket=4, versions=(4,), group_id="k", reward=1.0),
+                  make_traj("k-1", ticket=5, versions=(4,), group_id="k", reward=0.0)])
+    core.tick(time.monotonic() + 1.0)
+    job = core.next_job(2.0).job  # g is whole at once: its other member went before the crash
+    assert job is not None and [t.traj_id for t in job.batch] == ["g-1", "k-0", "k-1"]
+    assert job.baseline == [("g", 0.0)]  # and the dropped member's reward is still in its baseline
+
+
 def test_resume_under_a_new_supervisord_continues_the_unfinished_run(tmp_path, spool):
     ckpt = tmp_path / "ckpt"
     plan_start(spool, ckpt, resume=False, incarnation="inc1", owner="sup-1")

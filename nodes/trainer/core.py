@@ -92,13 +92,14 @@ class TrainQueue:
         # "shorter wins" lost). A group is whole when group_size of its members have come, counting
         # those that left the buffer already (dropped as stale, or taken when the queue overflowed).
         self.group_size = group_size
-        self.left: collections.OrderedDict[str, int] = collections.OrderedDict()  # group -> members gone
+        # group -> members gone (saved with each checkpoint's run state, as dropped_rewards below)
+        self.left: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.arrived: dict[str, float] = {}  # group -> when its first waiting member came
         self.released: set[str] = set()  # groups taken as they are (a restart's backlog: some members trained before)
         # Rewards of members dropped as over-stale, by group, until the group's trained members go: they stay
         # in the group's GRPO baseline (the slow members are the ones a consume-time drop takes, so the
-        # survivors alone would be compared with the short answers only). In memory: after a restart a
-        # group's baseline is its trained members.
+        # survivors alone would be compared with the short answers only). Saved with each checkpoint's run
+        # state (``TrainerCore``), so a group split across a crash keeps its dropped members' rewards.
         self.dropped_rewards: dict[str, list[float]] = {}
         self.clock = clock
 
@@ -282,6 +283,9 @@ class TrainerCore:
         for tid in start.consumed:
             self.queue.remember(tid)
         self.trained = start.trained  # samples trained on in this run: RunState.consumed, agents size batches by it
+        # Groups split across the checkpoint: their members gone before it, and those dropped's rewards.
+        self.queue.left.update(start.group_left)
+        self.queue.dropped_rewards.update(start.dropped_rewards)
         # Per episode source, [consumed, stale] in this run epoch: the admission totals of RunState.
         self.totals: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
         self.totals.update({k: list(v) for k, v in start.sources.items()})
@@ -544,7 +548,9 @@ class TrainerCore:
             # waits for it, as it would inside the step).
             state = {"version": self.version, "epoch": self.epoch, "inc": self.incarnation,
                      "consumed": list(self.consumed), "sources": {k: list(v) for k, v in self.totals.items()},
-                     "trained": self.trained}
+                     "trained": self.trained,
+                     "dropped_rewards": {g: list(r) for g, r in self.queue.dropped_rewards.items()},
+                     "group_left": dict(self.queue.left)}
             out.job = Job("save", self.version, now, state=state, covers=list(self.unpruned))
             self.unpruned.clear()
         out.publish.append(self.run_state(now))

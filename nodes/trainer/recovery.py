@@ -26,7 +26,8 @@ from areal_bus.spool import Spool
 
 RUN_STATE = "run_state.json"
 """What the trainer adds to each checkpoint folder once the engine's save has returned: the run
-epoch, the incarnation that wrote it, the consumed ids and the per-source totals."""
+epoch, the incarnation that wrote it, the consumed ids, the per-source totals, and for GRPO groups
+not done how many of their members have gone and the rewards of those dropped as over-stale."""
 MANIFEST = "manifest.json"
 """The last file of a checkpoint: {file: [size, sha256]} for every other file in the folder. Written
 after everything else is on disk (fsync), by an atomic rename: a trainer killed mid-save leaves a
@@ -175,6 +176,8 @@ class Start:
     consumed: list = field(default_factory=list)  # ids trained on or dropped as stale, in that lineage
     sources: dict = field(default_factory=dict)  # per-source [consumed, stale] at that checkpoint
     trained: int = 0
+    dropped_rewards: dict = field(default_factory=dict)  # group -> rewards of its members dropped as over-stale
+    group_left: dict = field(default_factory=dict)  # group -> its members trained or dropped (a group not done)
     ckpt_inc: str | None = None  # the incarnation that wrote the checkpoint
     recovering: bool = False  # re-queue the spool's rows the checkpoint does not cover
     finished: bool = False  # the run had already finished: nothing to do
@@ -204,9 +207,11 @@ def plan_start(spool: Spool | None, ckpt_dir: Path, resume: bool, incarnation: s
     an unfinished run's spool rows or checkpoints, ``UnfinishedRun`` instead."""
 
     def from_state(epoch, folder, state, recovering, skipped) -> Start:
+        dropped = {str(g): [float(r) for r in rewards] for g, rewards in state.get("dropped_rewards", {}).items()}
+        left = {str(g): int(n) for g, n in state.get("group_left", {}).items()}
         return Start(epoch, folder, int(state.get("version", 0)), list(state.get("consumed", [])),
                      dict(state.get("sources", {})), int(state.get("trained", len(state.get("consumed", [])))),
-                     state.get("inc"), recovering, skipped=skipped)
+                     dropped, left, state.get("inc"), recovering, skipped=skipped)
 
     meta = spool.meta() if spool is not None else {}
     unfinished = spool is not None and bool(meta.get("epoch")) and meta.get("finished") != "1"
