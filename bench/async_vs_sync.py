@@ -6,10 +6,14 @@ workers, weight broadcaster) started by supervisord from a rendered topology; th
 time per step is nearly flat in batch size (memory-bound GPU decoding), output lengths are long-tailed
 between 200 and 3,000 tokens, and training a batch costs time proportional to its tokens (a real share
 of a synchronous step). Throughput is measured from the trainer's own step records over the steady
-state (the first steps, while the pipeline fills, are left out).
+state (the first steps, while the pipeline fills, are left out). "change" is the mean |difference| of
+an update's tokens per sample from one update to the next: how clumped by length the batches are
+(sync's mix every length; async in arrival order alternates short and long batches).
 
 Run:   .venv/bin/python bench/async_vs_sync.py            (about 3 minutes on 2 cores)
        .venv/bin/python bench/async_vs_sync.py --quick    (smaller, for a smoke test)
+       .venv/bin/python bench/async_vs_sync.py --group-size 8 --in-order   (GRPO groups of 8, and one more
+              async run with staleness.in_order: about 5 minutes)
 """
 
 from __future__ import annotations
@@ -47,10 +51,14 @@ WORKLOAD = {
 }
 
 
-def topology(mode: str, steps: int, scale: float, lead: str = "bound") -> dict:
+def topology(mode: str, steps: int, scale: float, lead: str = "bound", group: int = 1,
+             in_order: bool = False) -> dict:
     topo = json.loads(json.dumps(WORKLOAD))
     topo["name"] = f"bench-{mode}"
     topo["staleness"] = {"lead": lead}
+    if in_order:
+        topo["staleness"]["in_order"] = True
+    topo["agent"]["group_size"] = group
     topo["async"] = {"enabled": mode == "async"}
     topo["max_steps"] = steps
     re, te = topo["rollout_engine"], topo["trainer_engine"]
@@ -88,11 +96,13 @@ def describe(topo_dict: dict) -> list[str]:
     ]
 
 
-def run_mode(mode: str, steps: int, scale: float, keep: Path | None, lead: str = "bound") -> list[dict]:
-    records, wall = run_system(topology(mode, steps, scale, lead), mode, keep, timeout=900)
+def run_mode(mode: str, steps: int, scale: float, keep: Path | None, lead: str = "bound", group: int = 1,
+             in_order: bool = False) -> list[dict]:
+    label = f"{mode}-in_order" if in_order else mode
+    records, wall = run_system(topology(mode, steps, scale, lead, group, in_order), label, keep, timeout=900)
     if len(records) < steps:
-        raise RuntimeError(f"{mode}: only {len(records)} of {steps} steps recorded")
-    print(f"  {mode}: {len(records)} steps in {wall:.1f} s wall (incl. start-up and shut-down)", flush=True)
+        raise RuntimeError(f"{label}: only {len(records)} of {steps} steps recorded")
+    print(f"  {label}: {len(records)} steps in {wall:.1f} s wall (incl. start-up and shut-down)", flush=True)
     return records
 
 
@@ -108,7 +118,10 @@ def summarize(records: list[dict], warmup: int) -> dict:
     for r in records:
         hist.update({int(k): v for k, v in r["staleness"].items()})
     consumed = sum(r["samples"] for r in records)
+    per_sample = np.array([r["tokens"] / max(r["samples"], 1) for r in steady])
     return {
+        "mean_tokens": float(per_sample.mean()),
+        "change": float(np.abs(np.diff(per_sample)).mean()) if per_sample.size > 1 else 0.0,
         "samples_per_s": samples / (t1 - t0), "tokens_per_s": tokens / (t1 - t0),
         "idle_fraction": wait / (wait + train), "staleness": dict(sorted(hist.items())),
         "stale_dropped": records[-1]["stale_dropped"], "consumed": consumed, "steps": len(records),
@@ -124,32 +137,43 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="few steps, for a smoke test")
     p.add_argument("--keep-logs", type=Path, default=None, help="copy each mode's logs here")
     p.add_argument("--lead", choices=("bound", "adaptive"), default="bound", help="staleness.lead of the async run")
+    p.add_argument("--group-size", type=int, default=1, help="agent.group_size (GRPO groups) of every run")
+    p.add_argument("--in-order", action="store_true", help="also an async run with staleness.in_order")
     args = p.parse_args()
     if args.quick:
         args.async_steps, args.sync_steps = 12, 5
     print("workload (simulated engines, real bus, real processes under supervisord):")
-    for line in describe(topology("async", 1, args.scale)):
+    for line in describe(topology("async", 1, args.scale, group=args.group_size)):
         print("  " + line)
     print("running:", flush=True)
     res = {}
     for mode, steps, warmup in (("async", args.async_steps, 4), ("sync", args.sync_steps, 2)):
-        res[mode] = summarize(run_mode(mode, steps, args.scale, args.keep_logs, args.lead), warmup)
+        res[mode] = summarize(run_mode(mode, steps, args.scale, args.keep_logs, args.lead, args.group_size), warmup)
+    if args.in_order:
+        res["async in_order"] = summarize(run_mode("async", args.async_steps, args.scale, args.keep_logs, args.lead,
+                                                   args.group_size, True), 4)
     ratio = res["async"]["samples_per_s"] / res["sync"]["samples_per_s"]
     staleness = WORKLOAD["staleness_threshold"]
     print()
-    print(f"{'mode':<6} {'samples/s':>10} {'tokens/s':>10} {'trainer idle':>13} {'consumed':>9} {'stale-dropped':>14}"
-          f"  staleness histogram")
+    width = max(len(k) for k in res)
+    print(f"{'mode':<{width}} {'samples/s':>10} {'tokens/s':>10} {'trainer idle':>13} {'consumed':>9} {'stale-dropped':>14}"
+          f" {'tok/sample':>10} {'change':>7}  staleness histogram")
     for mode, r in res.items():
-        print(f"{mode:<6} {r['samples_per_s']:>10.2f} {r['tokens_per_s']:>10.0f} {100 * r['idle_fraction']:>12.1f}% "
-              f"{r['consumed']:>9} {r['stale_dropped']:>14}  {r['staleness']}")
+        print(f"{mode:<{width}} {r['samples_per_s']:>10.2f} {r['tokens_per_s']:>10.0f} {100 * r['idle_fraction']:>12.1f}% "
+              f"{r['consumed']:>9} {r['stale_dropped']:>14} {r['mean_tokens']:>10.0f} {r['change']:>7.0f}  {r['staleness']}")
     over = sum(v for k, v in res["async"]["staleness"].items() if k > staleness)
     print(f"\nasync / sync samples/s: {ratio:.2f}x   (target >= 3.0; trainer idle in async <= 10%; "
           f"consumed over the staleness bound of {staleness}: {over})")
+    extra = ""
+    if "async in_order" in res:
+        in_order = res["async in_order"]["samples_per_s"] / res["sync"]["samples_per_s"]
+        print(f"async in_order / sync samples/s: {in_order:.2f}x")
+        extra = f" in_order_ratio={in_order:.2f}"
     print(f"RESULT ratio={ratio:.2f} async_samples_per_s={res['async']['samples_per_s']:.2f} "
           f"sync_samples_per_s={res['sync']['samples_per_s']:.2f} "
           f"async_trainer_idle={res['async']['idle_fraction']:.3f} "
           f"sync_trainer_idle={res['sync']['idle_fraction']:.3f} over_stale_consumed={over} "
-          f"stale_dropped={res['async']['stale_dropped']}")
+          f"stale_dropped={res['async']['stale_dropped']}{extra}")
     return 0
 
 
