@@ -94,6 +94,8 @@ def system_line(logs) -> str:
     out = f", output tokens per sample {min(outs):.0f}..{max(outs):.0f} (update means)" if outs else ""
     if len(outs) > 1:  # how unlike one update's batch is the next's: async batches clump by output length
         out += f", mean change {sum(abs(a - b) for a, b in zip(outs, outs[1:])) / (len(outs) - 1):.0f} update to update"
+    if split := sum(r.get("split_groups", 0) for r in steps):  # groups trained in part (the trainer's overflow)
+        out += f", groups taken in part {split}"
     if masked := sum(r.get("tokens_over_bound", 0) for r in steps):  # staleness.per_token
         trained = sum(r.get("tokens", 0) for r in steps)
         out += f", tokens over the bound masked {masked} ({masked / max(1, masked + trained):.1%} of the samples' loss tokens)"

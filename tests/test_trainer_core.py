@@ -112,6 +112,16 @@ def test_an_update_carries_its_groups_dropped_members_as_their_baseline(make_tra
     job = core.next_job(1.0).job
     assert sorted(t.traj_id for t in job.batch) == ["g-1", "h-0", "h-1"]
     assert job.baseline == [("g", 0.0)]
+    assert job.split_groups == 0  # g's other member was dropped: g is whole
+
+
+def test_an_update_that_takes_groups_in_part_counts_them_in_its_record(make_traj):
+    core = _core(agent={"group_size": 2})
+    core.receive([make_traj(f"{g}-0", ticket=i, group_id=g) for i, g in enumerate("abcd")])  # first members only
+    job = core.next_job(1.0).job  # a global batch of incomplete groups: taken as they are
+    assert job.split_groups == 4
+    out = core.on_trained(job, {"loss": 0.1}, 2.0)
+    assert out.steps[0]["split_groups"] == 4 and core.metrics.counters["split_groups"] == 4
 
 
 # -- duplicate suppression --------------------------------------------------------------------------

@@ -147,9 +147,11 @@ def test_a_global_batch_of_incomplete_groups_is_taken_oldest_first(make_traj):
         for i in range(3):
             q.offer(_member(make_traj, g, i, ticket=base + i))
     assert [t.traj_id for t in q.take_batch(0)] == ["a-0", "a-1", "a-2", "b-0"]
+    assert q.split == 2  # both groups taken in part
     q.offer(_member(make_traj, "a", 3, ticket=3))  # the late members: whole groups now, with those taken
     q.offer(_member(make_traj, "b", 3, ticket=13))
     assert [t.traj_id for t in q.take_batch(0)] == ["a-3", "b-1", "b-2", "b-3"]
+    assert q.split == 0  # their rest: each group counted once
     assert not q.left and not q.buffer
 
 

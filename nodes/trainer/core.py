@@ -101,6 +101,7 @@ class TrainQueue:
         # survivors alone would be compared with the short answers only). Saved with each checkpoint's run
         # state (``TrainerCore``), so a group split across a crash keeps its dropped members' rewards.
         self.dropped_rewards: dict[str, list[float]] = {}
+        self.split = 0  # groups the last batch took in part (take_batch's overflow or timeout)
         self.clock = clock
 
     @property
@@ -181,8 +182,18 @@ class TrainQueue:
             if not whole and len(self.buffer) < self.max_batch and waited < GROUP_WAIT_S:
                 return None
             batch = whole or batch  # overflow or timeout: oldest first, groups as they are
+        self.split = self._split(batch)
         self._remove(batch)
         return batch
+
+    def _split(self, batch: list[m.Trajectory]) -> int:
+        """Groups of ``batch`` trained in part: some of their members have not come yet (counted once,
+        at the batch that takes the first part; a restart's backlog groups are not known, not counted)."""
+        if self.group_size <= 1:
+            return 0
+        members = collections.Counter(t.group_id for t in batch if t.group_id)
+        return sum(1 for g, n in members.items()
+                   if g not in self.released and n + self.left.get(g, 0) < self.group_size)
 
     def _whole(self, ordered: list[m.Trajectory], need: int) -> list[m.Trajectory]:
         """Whole groups, oldest first, as many as fit in max_batch; [] if they come to fewer than ``need``."""
@@ -232,6 +243,7 @@ class Job:
     covers: list = field(default_factory=list)  # save: spool rows it covers, pruned once the next one is sealed
     probe: str = ""  # train: "" a batch; "half" or "whole" of the suspects that died most often (TrainerCore.begin)
     over_bound: int = 0  # train: samples over staleness_threshold in the batch (drop_at_consume false only)
+    split_groups: int = 0  # train: GRPO groups the batch takes in part, the rest of their members to come
 
 
 @dataclass
@@ -439,7 +451,10 @@ class TrainerCore:
                 del self.suspects[t.traj_id]
             out.add(self._drop_stale(over, now))
         probe, batch = self._probe()
-        batch = batch or self.queue.take_batch(self.version)
+        split = 0
+        if not batch:
+            batch = self.queue.take_batch(self.version)
+            split = self.queue.split
         if batch is None:
             return out
         if probe:
@@ -461,7 +476,9 @@ class TrainerCore:
         out.job = Job("train", self.version, now, batch=batch, evaluate=every > 0 and (self.version + 1) % every == 0,
                       baseline=[] if probe else self.queue.baseline_for(batch),
                       wait_s=wait, staleness={str(k): c for k, c in sorted(hist.items())}, probe=probe,
-                      over_bound=over_bound)
+                      over_bound=over_bound, split_groups=split)
+        if split:
+            self.metrics.inc("split_groups", split)
         return out
 
     def _probe(self) -> tuple[str, list[m.Trajectory] | None]:
@@ -532,7 +549,7 @@ class TrainerCore:
         out.steps.append({"step": step, "train_s": took, "wait_s": job.wait_s,
                           "samples": len(job.batch), "tokens": tokens, "stale_dropped": self.queue.stale,
                           "duplicates": self.queue.duplicates, **stats, "staleness": job.staleness,
-                          "over_bound": job.over_bound, "generated": sum(int(t.loss_mask.sum()) for t in job.batch)})
+                          "over_bound": job.over_bound, "split_groups": job.split_groups, "generated": sum(int(t.loss_mask.sum()) for t in job.batch)})
         self.window["samples"] += len(job.batch)
         self.window["tokens"] += tokens
         if self.version % self.topo.logging.log_interval == 0:
