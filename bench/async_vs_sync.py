@@ -156,11 +156,12 @@ def main() -> int:
     staleness = WORKLOAD["staleness_threshold"]
     print()
     width = max(len(k) for k in res)
-    print(f"{'mode':<{width}} {'samples/s':>10} {'tokens/s':>10} {'trainer idle':>13} {'consumed':>9} {'stale-dropped':>14}"
-          f" {'tok/sample':>10} {'change':>7}  staleness histogram")
+    print(f"{'mode':<{width}} {'samples/s':>10} {'tokens/s':>10} {'trainer idle':>13} {'consumed':>9} "
+          f"{'stale-dropped':>14} {'tok/sample':>10} {'change':>7}  staleness histogram")
     for mode, r in res.items():
-        print(f"{mode:<{width}} {r['samples_per_s']:>10.2f} {r['tokens_per_s']:>10.0f} {100 * r['idle_fraction']:>12.1f}% "
-              f"{r['consumed']:>9} {r['stale_dropped']:>14} {r['mean_tokens']:>10.0f} {r['change']:>7.0f}  {r['staleness']}")
+        print(f"{mode:<{width}} {r['samples_per_s']:>10.2f} {r['tokens_per_s']:>10.0f} "
+              f"{100 * r['idle_fraction']:>12.1f}% {r['consumed']:>9} {r['stale_dropped']:>14} "
+              f"{r['mean_tokens']:>10.0f} {r['change']:>7.0f}  {r['staleness']}")
     over = sum(v for k, v in res["async"]["staleness"].items() if k > staleness)
     print(f"\nasync / sync samples/s: {ratio:.2f}x   (target >= 3.0; trainer idle in async <= 10%; "
           f"consumed over the staleness bound of {staleness}: {over})")

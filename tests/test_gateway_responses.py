@@ -156,7 +156,6 @@ def test_store_false_keeps_no_conversation_to_continue(gateway):
         gw.client().responses.create(model=POLICY, input="x", previous_response_id=r.id)
 
 
-
 class FullDisk:
     def response(self, *args):
         raise OSError(28, "No space left on device")

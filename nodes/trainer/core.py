@@ -451,10 +451,7 @@ class TrainerCore:
                 del self.suspects[t.traj_id]
             out.add(self._drop_stale(over, now))
         probe, batch = self._probe()
-        split = 0
-        if not batch:
-            batch = self.queue.take_batch(self.version)
-            split = self.queue.split
+        batch = batch or self.queue.take_batch(self.version)
         if batch is None:
             return out
         if probe:
@@ -468,6 +465,7 @@ class TrainerCore:
         # Samples trained over the bound: none when dropping (per_token: their tokens over it are masked,
         # counted by the engine as tokens_over_bound).
         over_bound = 0 if drop else sum(c for s, c in hist.items() if s > self.queue.staleness)
+        split = 0 if probe else self.queue.split  # set by take_batch just above
         if over_bound:
             self.metrics.inc("trained_over_bound", over_bound)
         wait = now - self.idle_since
@@ -549,7 +547,8 @@ class TrainerCore:
         out.steps.append({"step": step, "train_s": took, "wait_s": job.wait_s,
                           "samples": len(job.batch), "tokens": tokens, "stale_dropped": self.queue.stale,
                           "duplicates": self.queue.duplicates, **stats, "staleness": job.staleness,
-                          "over_bound": job.over_bound, "split_groups": job.split_groups, "generated": sum(int(t.loss_mask.sum()) for t in job.batch)})
+                          "over_bound": job.over_bound, "split_groups": job.split_groups,
+                          "generated": sum(int(t.loss_mask.sum()) for t in job.batch)})
         self.window["samples"] += len(job.batch)
         self.window["tokens"] += tokens
         if self.version % self.topo.logging.log_interval == 0:
