@@ -124,6 +124,30 @@ def test_an_update_that_takes_groups_in_part_counts_them_in_its_record(make_traj
     assert out.steps[0]["split_groups"] == 4 and core.metrics.counters["split_groups"] == 4
 
 
+def test_the_late_members_of_a_group_taken_in_part_get_their_whole_group_advantages(make_traj):
+    """The short answers (right) come first and the overflow trains them; the long ones (wrong) come
+    after. Judged among themselves the long ones are all equal: advantage 0, nothing learned. Judged
+    against the whole group (their baseline: the first part's rewards) they get what GRPO over all
+    four gives them."""
+    from areal_bus.loss import grpo_advantages
+
+    core = _core(agent={"group_size": 4})
+    core.receive([make_traj(f"{g}-{i}", ticket=10 * k + i, group_id=g, reward=1.0)
+                  for k, g in enumerate("ab") for i in range(2)])
+    first = core.next_job(1.0).job
+    assert first.split_groups == 2 and first.baseline == []
+    core.on_trained(first, {"loss": 0.1}, 2.0)
+    core.receive([make_traj(f"{g}-{i}", ticket=10 * k + i, group_id=g, reward=0.0)
+                  for k, g in enumerate("ab") for i in range(2, 4)])
+    job = core.next_job(3.0).job
+    assert sorted(t.traj_id for t in job.batch) == ["a-2", "a-3", "b-2", "b-3"] and job.split_groups == 0
+    rewards = [t.reward for t in job.batch] + [r for _, r in job.baseline]
+    groups = [t.group_id for t in job.batch] + [g for g, _ in job.baseline]
+    late = grpo_advantages(rewards, groups)[: len(job.batch)]
+    whole = grpo_advantages([1.0, 1.0, 0.0, 0.0], ["a"] * 4)[2:]
+    assert late.tolist() == pytest.approx(whole.tolist() * 2) and late.max() < -0.9
+
+
 # -- duplicate suppression --------------------------------------------------------------------------
 def test_a_resent_id_is_acked_as_a_duplicate_and_not_queued_twice(make_traj):
     core = _core()
@@ -245,7 +269,7 @@ def test_a_crash_under_the_same_supervisord_recovers_the_run_from_its_checkpoint
     assert (again.consumed, again.sources, again.trained) == (["t-0"], {"s": [1, 0]}, 1)
 
 
-def test_a_group_split_across_a_crash_keeps_its_dropped_members_reward_and_is_whole(tmp_path, spool, make_traj):
+def test_a_group_split_across_a_crash_keeps_its_gone_members_rewards_and_is_whole(tmp_path, spool, make_traj):
     """Before: both were in memory only, so after a restart the group's last member waited GROUP_WAIT_S for
     a mate that had gone before the crash, and then trained with itself alone as its GRPO baseline."""
     ckpt = tmp_path / "ckpt"

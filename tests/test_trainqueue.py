@@ -120,9 +120,10 @@ def test_a_member_dropped_as_stale_still_completes_its_group(make_traj):
     assert not q.left  # every member gone: nothing kept for the group
 
 
-def test_the_rewards_of_members_dropped_as_stale_go_with_their_group_once(make_traj):
+def test_the_rewards_of_members_dropped_as_stale_go_with_their_group(make_traj):
     """The slow members are the ones a consume-time drop takes: their rewards stay in the group's
-    baseline (engine.train's ``baseline``), handed out with the group's batch and never again."""
+    baseline (engine.train's ``baseline``), handed out with the group's batch; nothing is kept once
+    every member has gone."""
     q = TrainQueue(64, trigger=2, max_batch=8, staleness=2, exact=False, group_size=4)
     for i in range(2):  # two long answers, started 3 versions back, both wrong
         q.offer(make_traj(f"g-{i}", ticket=i, versions=(0,), group_id="g", reward=0.0))
@@ -132,12 +133,12 @@ def test_the_rewards_of_members_dropped_as_stale_go_with_their_group_once(make_t
     assert sorted(t.traj_id for t in q.drop_stale(version=3)) == ["g-0", "g-1", "h-0"]
     batch = q.take_batch(3)
     assert sorted(t.traj_id for t in batch) == ["g-2", "g-3"]
-    assert q.baseline_for(batch) == [("g", 0.0), ("g", 0.0)]
-    assert "g" not in q.dropped_rewards and q.baseline_for(batch) == []
+    assert q.baseline == [("g", 0.0), ("g", 0.0)]
+    assert "g" not in q.gone_rewards  # g is done
     for i in range(1, 4):  # h's other members: dropped too, nothing kept once the group is gone
         q.offer(make_traj(f"h-{i}", ticket=10 + i, versions=(0,), group_id="h", reward=0.5))
     q.drop_stale(version=3)
-    assert not q.dropped_rewards and not q.left
+    assert not q.gone_rewards and not q.left
 
 
 def test_a_global_batch_of_incomplete_groups_is_taken_oldest_first(make_traj):
@@ -153,6 +154,36 @@ def test_a_global_batch_of_incomplete_groups_is_taken_oldest_first(make_traj):
     assert [t.traj_id for t in q.take_batch(0)] == ["a-3", "b-1", "b-2", "b-3"]
     assert q.split == 0  # their rest: each group counted once
     assert not q.left and not q.buffer
+
+
+def test_the_rest_of_a_group_taken_in_part_has_the_first_parts_rewards_as_its_baseline(make_traj):
+    """On a long tail the short answers come first and the overflow trains them; the long ones, taken
+    later, are judged against the whole group (every member gone before them), not among themselves."""
+    q = TrainQueue(64, trigger=2, max_batch=4, staleness=2, exact=False, group_size=4)
+    for g, base in (("a", 0), ("b", 10)):
+        for i in range(3):
+            q.offer(make_traj(f"{g}-{i}", ticket=base + i, group_id=g, reward=1.0))
+    first = q.take_batch(0)
+    assert [t.traj_id for t in first] == ["a-0", "a-1", "a-2", "b-0"] and q.baseline == []
+    q.offer(make_traj("a-3", ticket=3, group_id="a", reward=0.0))
+    q.offer(make_traj("b-3", ticket=13, group_id="b", reward=0.0))
+    assert [t.traj_id for t in q.take_batch(0)] == ["a-3", "b-1", "b-2", "b-3"]
+    assert q.baseline == [("a", 1.0)] * 3 + [("b", 1.0)]
+    assert not q.gone_rewards and not q.left  # both done: nothing kept
+
+
+def test_each_later_part_of_a_group_gets_every_member_gone_before_it(make_traj):
+    q = TrainQueue(64, trigger=1, max_batch=2, staleness=2, exact=False, group_size=4)
+    q.offer(make_traj("g-0", ticket=0, versions=(0,), group_id="g", reward=0.0))
+    q.drop_stale(version=3)  # over the bound
+    for i in (1, 2):
+        q.offer(make_traj(f"g-{i}", ticket=i, versions=(2,), group_id="g", reward=float(i)))
+    # a global batch and no whole group: the overflow takes g in part
+    assert [t.traj_id for t in q.take_batch(3)] == ["g-1", "g-2"] and q.baseline == [("g", 0.0)]
+    q.offer(make_traj("g-3", ticket=3, versions=(2,), group_id="g", reward=3.0))
+    assert [t.traj_id for t in q.take_batch(3)] == ["g-3"]
+    assert q.baseline == [("g", 0.0), ("g", 1.0), ("g", 2.0)]  # the dropped one too, a second time
+    assert not q.gone_rewards
 
 
 def test_ungrouped_trajectories_and_sync_batches_form_as_before(make_traj):

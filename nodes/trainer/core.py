@@ -12,9 +12,12 @@ its newest token is over, and the engine masks its tokens that are); false, the 
 starts unless it could be consumed within staleness_threshold versions), every admitted sample is
 trained, and those trained over the threshold are counted per update (``over_bound`` in
 train_steps.jsonl, the ``trained_over_bound`` metric) beside the batch's staleness histogram.
-A member of a GRPO group dropped as over-stale still counts in its group's advantage baseline (its
-reward goes with the group's batch as ``Job.baseline``): the drop takes the slow answers, and the
-survivors judged among themselves would be compared with the fast ones only.
+A GRPO group's members that left the queue before the rest still count in the rest's advantage
+baseline (their rewards go with each later batch of the group as ``Job.baseline``): one dropped as
+over-stale (the drop takes the slow answers, and the survivors judged among themselves would be
+compared with the fast ones only), and one trained in an earlier batch, where the queue's overflow took a
+group in part (on a long tail the short answers come first: the late part judged among itself alone
+would never learn that it came out worse than the early one).
 
 ``TrainerCore`` holds the run's protocol state (version and lineage, the run epoch, the consumed ids,
 the trained total and the per-source totals that admission is computed from) and the spool. Each
@@ -92,16 +95,17 @@ class TrainQueue:
         # "shorter wins" lost). A group is whole when group_size of its members have come, counting
         # those that left the buffer already (dropped as stale, or taken when the queue overflowed).
         self.group_size = group_size
-        # group -> members gone (saved with each checkpoint's run state, as dropped_rewards below)
+        # group -> members gone (saved with each checkpoint's run state, as gone_rewards below)
         self.left: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.arrived: dict[str, float] = {}  # group -> when its first waiting member came
         self.released: set[str] = set()  # groups taken as they are (a restart's backlog: some members trained before)
-        # Rewards of members dropped as over-stale, by group, until the group's trained members go: they stay
-        # in the group's GRPO baseline (the slow members are the ones a consume-time drop takes, so the
-        # survivors alone would be compared with the short answers only). Saved with each checkpoint's run
-        # state (``TrainerCore``), so a group split across a crash keeps its dropped members' rewards.
-        self.dropped_rewards: dict[str, list[float]] = {}
+        # Rewards of a group's members gone before the rest (dropped as over-stale, or trained in an earlier
+        # batch that took the group in part), until every member has gone: each later batch of the group
+        # has them in its GRPO baseline, so the late members are judged against the whole group. Saved
+        # with each checkpoint's run state (``TrainerCore``), so a group split across a crash keeps them.
+        self.gone_rewards: dict[str, list[float]] = {}
         self.split = 0  # groups the last batch took in part (take_batch's overflow or timeout)
+        self.baseline: list[tuple[str, float]] = []  # the last batch's (group, reward) of members gone before
         self.clock = clock
 
     @property
@@ -144,14 +148,7 @@ class TrainQueue:
 
     def drop_stale(self, version: int) -> list[m.Trajectory]:
         out = [t for t in self.buffer.values() if self.over(t, version)]
-        for t in out:
-            if t.group_id and self.group_size > 1 and t.reward is not None:
-                self.dropped_rewards.setdefault(t.group_id, []).append(float(t.reward))
         self._remove(out)
-        for group in {t.group_id for t in out} - self.left.keys():
-            self.dropped_rewards.pop(group, None)  # its last member dropped: no batch will use them
-        while len(self.dropped_rewards) > SEEN_IDS_MAX:
-            del self.dropped_rewards[next(iter(self.dropped_rewards))]
         self.stale += len(out)
         return out
 
@@ -159,17 +156,12 @@ class TrainQueue:
         """Over the staleness bound at ``version``: its oldest token, or with per_token its newest."""
         return is_over_stale(version, traj.end_version if self.per_token else traj.start_version, self.staleness)
 
-    def baseline_for(self, batch: list[m.Trajectory]) -> list[tuple[str, float]]:
-        """(group, reward) of the dropped members of ``batch``'s groups (engine.train's ``baseline``),
-        handed out once: a group's later batch (a split group) gets none again."""
-        groups = dict.fromkeys(t.group_id for t in batch if t.group_id)
-        return [(g, r) for g in groups for r in self.dropped_rewards.pop(g, [])]
-
     def take_batch(self, version: int) -> list[m.Trajectory] | None:
         """A batch if one is ready: oldest policy versions first (they are closest to the bound),
         then admission order. Async with groups: whole groups only, unless none make a batch and the
         buffer holds a whole global batch or a group has waited GROUP_WAIT_S (a member that never
-        comes must not hold the rest)."""
+        comes must not hold the rest). Sets ``split`` and ``baseline`` (engine.train's: the rewards of
+        the batch's groups' members gone before it) for the batch."""
         need = self.max_batch if self.exact else self.trigger
         if len(self.buffer) < need:
             return None
@@ -183,6 +175,8 @@ class TrainQueue:
                 return None
             batch = whole or batch  # overflow or timeout: oldest first, groups as they are
         self.split = self._split(batch)
+        groups = dict.fromkeys(t.group_id for t in batch if t.group_id)
+        self.baseline = [(g, r) for g in groups for r in self.gone_rewards.get(g, ())]
         self._remove(batch)
         return batch
 
@@ -212,6 +206,8 @@ class TrainQueue:
         for t in trajs:
             del self.buffer[t.traj_id]
             if t.group_id and self.group_size > 1:
+                if t.reward is not None:
+                    self.gone_rewards.setdefault(t.group_id, []).append(float(t.reward))
                 self._gone(t.group_id)
         waiting = {t.group_id for t in self.buffer.values() if t.group_id}
         for key in [k for k in self.arrived if k not in waiting]:
@@ -222,9 +218,10 @@ class TrainQueue:
         self.left[group] = self.left.get(group, 0) + 1
         self.left.move_to_end(group)
         if self.left[group] >= self.group_size:
-            del self.left[group]  # every member has gone: the group is done
+            del self.left[group]  # every member has gone: the group is done, no batch will need its rewards
+            self.gone_rewards.pop(group, None)
         while len(self.left) > SEEN_IDS_MAX:
-            self.left.popitem(last=False)
+            self.gone_rewards.pop(self.left.popitem(last=False)[0], None)
 
 
 @dataclass
@@ -295,9 +292,9 @@ class TrainerCore:
         for tid in start.consumed:
             self.queue.remember(tid)
         self.trained = start.trained  # samples trained on in this run: RunState.consumed, agents size batches by it
-        # Groups split across the checkpoint: their members gone before it, and those dropped's rewards.
+        # Groups split across the checkpoint: their members gone before it, and those members' rewards.
         self.queue.left.update(start.group_left)
-        self.queue.dropped_rewards.update(start.dropped_rewards)
+        self.queue.gone_rewards.update(start.gone_rewards)
         # Per episode source, [consumed, stale] in this run epoch: the admission totals of RunState.
         self.totals: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
         self.totals.update({k: list(v) for k, v in start.sources.items()})
@@ -472,7 +469,7 @@ class TrainerCore:
         self.metrics.inc("idle_seconds", wait)
         every = self.topo.trainer_engine.eval_interval
         out.job = Job("train", self.version, now, batch=batch, evaluate=every > 0 and (self.version + 1) % every == 0,
-                      baseline=[] if probe else self.queue.baseline_for(batch),
+                      baseline=[] if probe else self.queue.baseline,
                       wait_s=wait, staleness={str(k): c for k, c in sorted(hist.items())}, probe=probe,
                       over_bound=over_bound, split_groups=split)
         if split:
@@ -565,7 +562,7 @@ class TrainerCore:
             state = {"version": self.version, "epoch": self.epoch, "inc": self.incarnation,
                      "consumed": list(self.consumed), "sources": {k: list(v) for k, v in self.totals.items()},
                      "trained": self.trained,
-                     "dropped_rewards": {g: list(r) for g, r in self.queue.dropped_rewards.items()},
+                     "gone_rewards": {g: list(r) for g, r in self.queue.gone_rewards.items()},
                      "group_left": dict(self.queue.left)}
             out.job = Job("save", self.version, now, state=state, covers=list(self.unpruned))
             self.unpruned.clear()

@@ -176,7 +176,7 @@ class Start:
     consumed: list = field(default_factory=list)  # ids trained on or dropped as stale, in that lineage
     sources: dict = field(default_factory=dict)  # per-source [consumed, stale] at that checkpoint
     trained: int = 0
-    dropped_rewards: dict = field(default_factory=dict)  # group -> rewards of its members dropped as over-stale
+    gone_rewards: dict = field(default_factory=dict)  # group -> rewards of its members dropped or trained (not done)
     group_left: dict = field(default_factory=dict)  # group -> its members trained or dropped (a group not done)
     ckpt_inc: str | None = None  # the incarnation that wrote the checkpoint
     recovering: bool = False  # re-queue the spool's rows the checkpoint does not cover
@@ -207,11 +207,13 @@ def plan_start(spool: Spool | None, ckpt_dir: Path, resume: bool, incarnation: s
     an unfinished run's spool rows or checkpoints, ``UnfinishedRun`` instead."""
 
     def from_state(epoch, folder, state, recovering, skipped) -> Start:
-        dropped = {str(g): [float(r) for r in rewards] for g, rewards in state.get("dropped_rewards", {}).items()}
+        # "dropped_rewards": the older name (a checkpoint of a trainer that kept the dropped members' only)
+        gone = state.get("gone_rewards", state.get("dropped_rewards", {}))
+        gone = {str(g): [float(r) for r in rewards] for g, rewards in gone.items()}
         left = {str(g): int(n) for g, n in state.get("group_left", {}).items()}
         return Start(epoch, folder, int(state.get("version", 0)), list(state.get("consumed", [])),
                      dict(state.get("sources", {})), int(state.get("trained", len(state.get("consumed", [])))),
-                     dropped, left, state.get("inc"), recovering, skipped=skipped)
+                     gone, left, state.get("inc"), recovering, skipped=skipped)
 
     meta = spool.meta() if spool is not None else {}
     unfinished = spool is not None and bool(meta.get("epoch")) and meta.get("finished") != "1"
