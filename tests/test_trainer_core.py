@@ -296,6 +296,16 @@ def test_a_group_split_across_a_crash_keeps_its_gone_members_rewards_and_is_whol
     assert job.baseline == [("g", 0.0)]  # and the dropped member's reward is still in its baseline
 
 
+def test_a_checkpoint_that_names_them_dropped_rewards_still_restores_them(tmp_path, spool):
+    ckpt = tmp_path / "ckpt"
+    plan_start(spool, ckpt, resume=False, incarnation="inc1", owner="sup-1")
+    (ckpt / "step_2").mkdir(parents=True)
+    write_run_state(ckpt / "step_2", {"version": 2, "epoch": "inc1", "inc": "inc1", "consumed": [], "sources": {},
+                                      "trained": 0, "dropped_rewards": {"g": [0.5]}, "group_left": {"g": 1}})
+    again = plan_start(spool, ckpt, resume=False, incarnation="inc2", owner="sup-1")
+    assert (again.version, again.gone_rewards, again.group_left) == (2, {"g": [0.5]}, {"g": 1})
+
+
 def test_resume_under_a_new_supervisord_continues_the_unfinished_run(tmp_path, spool):
     ckpt = tmp_path / "ckpt"
     plan_start(spool, ckpt, resume=False, incarnation="inc1", owner="sup-1")
