@@ -174,8 +174,9 @@ class TorchTrainEngine:
     # -- one update ----------------------------------------------------------------------------
     def train(self, batch: list[Trajectory], version: int, baseline=()) -> dict:
         rewards = torch.tensor([float(t.reward or 0.0) for t in batch])
-        # Members of these groups dropped before training (``baseline``) still belong to their group's
-        # mean and spread: a group whose slow (long) answers were dropped is not judged by its fast ones alone.
+        # Members of these groups gone before this batch (``baseline``: dropped, or trained in an earlier
+        # part) still belong to their group's mean and spread: a group is judged as a whole, never by its
+        # fast answers alone nor its slow ones alone.
         everyone = torch.cat([rewards, torch.tensor([float(r) for _, r in baseline])])
         adv = grpo_advantages(everyone, [t.group_id or t.traj_id for t in batch] + [g for g, _ in baseline],
                               std_normalize=self.cfg.adv_std_normalize,

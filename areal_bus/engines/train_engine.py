@@ -36,7 +36,8 @@ class TrainEngine(Protocol):
     def train(self, batch: list[Trajectory], version: int, baseline: Sequence[tuple[str, float]] = ()) -> dict:
         """One policy update on ``batch``, from the weights of ``version`` to those of ``version + 1``.
         ``baseline``: (group_id, reward) of members of the batch's GRPO groups that are not in it (dropped
-        as over-stale): they count in their group's advantage baseline and spread, never in the loss.
+        as over-stale, or trained in an earlier batch that took the group in part): they count in their
+        group's advantage baseline and spread, never in the loss.
         Returns stats (``loss``, ``reward``, ``tokens`` and whatever else the engine measures)."""
 
     def export_weights(self, version: int) -> tuple[str, int]:
