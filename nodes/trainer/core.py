@@ -174,18 +174,18 @@ class TrainQueue:
             if not whole and len(self.buffer) < self.max_batch and waited < GROUP_WAIT_S:
                 return None
             batch = whole or batch  # overflow or timeout: oldest first, groups as they are
-        self.split = self._split(batch)
-        groups = dict.fromkeys(t.group_id for t in batch if t.group_id)
-        self.baseline = [(g, r) for g in groups for r in self.gone_rewards.get(g, ())]
+        members = collections.Counter(t.group_id for t in batch if t.group_id)  # group -> its members in the batch
+        self.split = self._split(members)
+        self.baseline = [(g, r) for g in members for r in self.gone_rewards.get(g, ())]
         self._remove(batch)
         return batch
 
-    def _split(self, batch: list[m.Trajectory]) -> int:
-        """Groups of ``batch`` trained in part: some of their members have not come yet (counted once,
-        at the batch that takes the first part; a restart's backlog groups are not known, not counted)."""
+    def _split(self, members: collections.Counter) -> int:
+        """Groups of a batch (``members``: group -> its members in it) trained in part: some of their
+        members have not come yet (counted once, at the batch that takes the first part; a restart's
+        backlog groups are not known, not counted)."""
         if self.group_size <= 1:
             return 0
-        members = collections.Counter(t.group_id for t in batch if t.group_id)
         return sum(1 for g, n in members.items()
                    if g not in self.released and n + self.left.get(g, 0) < self.group_size)
 
