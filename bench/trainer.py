@@ -26,7 +26,10 @@ the same random float32 weights (a Hugging Face folder written once per shape).
             trainer_engine.prox_logp_method loglinear (no proximal forward; none counted in MFU either),
             ``+nokeep`` trainer_engine.logit_grad_keep_gib 0 (the lm_head's logits recomputed in backward
             instead of their gradient kept from the forward), ``+chunk8k`` trainer_engine.logit_chunk_tokens
-            8192 (4096 otherwise), ``+padN`` trainer_engine.micro_batch_pad_tokens N.
+            8192 (4096 otherwise), ``+padN`` trainer_engine.micro_batch_pad_tokens N;
+            bench-only tries of inductor's settings with +compile: ``+cppwrap`` (cpp_wrapper), ``+combo``
+            (combo_kernels), ``+autotune`` (max_autotune_gemm), ``+noguard`` (after the warm-up,
+            torch.compiler.set_stance's skip_guard_eval_unsafe).
             Micro-batches are padded as the engine does (--pad-tokens: micro_batch_pad_tokens).
 
 FLOPs (for MFU): 6 N per token (forward + backward, N = parameters with the tied embedding once as the
@@ -158,8 +161,9 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
     trainer_engine.micro_batch_pad_tokens N (else --pad-tokens)."""
     mp, *flags = variant.split("+")
     pads = [int(f[3:]) for f in flags if f.startswith("pad") and f[3:].isdigit()]
-    if set(flags) - {"compile", "loglinear", "nokeep", "chunk8k"} - {f"pad{n}" for n in pads} or len(pads) > 1:
-        raise SystemExit(f"--paths: unknown flag in {variant!r} (compile, loglinear, nokeep, chunk8k, padN)")
+    known = {"compile", "loglinear", "nokeep", "chunk8k", *INDUCTOR_FLAGS, "noguard"}
+    if set(flags) - known - {f"pad{n}" for n in pads} or len(pads) > 1:
+        raise SystemExit(f"--paths: unknown flag in {variant!r} ({', '.join(sorted(known))}, padN)")
     prox = "loglinear" if "loglinear" in flags else "recompute"
     # Today's schema's defaults under the fields set here, so a knob added to the engine later reads its
     # default instead of failing here (the old tree's engine reads the explicit ones).
@@ -241,6 +245,8 @@ def measure(name: str, cfg: dict, updates, args, device) -> dict:
     first_s = None
     for i, samples in enumerate(updates):
         prof = None
+        if i == args.warmup and "+noguard" in name:  # the warm-up compiled every graph: differentiating guards only
+            torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
         if args.profile and i == args.warmup:
             from torch.profiler import ProfilerActivity, profile
 
@@ -294,9 +300,21 @@ def measure(name: str, cfg: dict, updates, args, device) -> dict:
             "s_per_update": secs / len(times), "first_s": first_s, "peak_gib": peak, "loss": losses[-1]}
 
 
+# Inductor settings a path may try on top of +compile (bench-only, to see whether they pay before any
+# becomes an engine knob): the generated wrapper in C++ instead of Python (fewer host microseconds per
+# launch), independent kernels combined into one launch, matmul templates autotuned against cuBLAS.
+INDUCTOR_FLAGS = {"cppwrap": {"cpp_wrapper": True}, "combo": {"combo_kernels": True},
+                  "autotune": {"max_autotune_gemm": True}}
+
+
 def worker(args, device) -> int:
     """One path at one shape, in a process of its own (memory, compiled code and CUDA state start clean)."""
     cfg = SHAPES[args.shapes]
+    import torch._inductor.config as inductor_config
+
+    for flag in args.worker.split("+")[1:]:
+        for key, value in INDUCTOR_FLAGS.get(flag, {}).items():
+            setattr(inductor_config, key, value)
     # As the trainer node does (train_engine.build_train_engine: model.threads, default 1). torch's default,
     # one thread per core, slows every host-side op of the update (the profile in bench/RESULTS.md).
     torch.set_num_threads(args.threads)
