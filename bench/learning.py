@@ -187,8 +187,9 @@ def main() -> int:
     p.add_argument("--parallel", type=int, default=1,
                    help="with --seeds: run this many of the seeds' runs at once (on one GPU they share it: compare "
                         "their curves by samples, not their speed; and its memory: six SmolLM2 runs of "
-                        "topology/smollm2-math-gpu.yaml overfilled an H200's 140 GiB, a run failing on CUDA "
-                        "out of memory, which is reported and its seed left out)")
+                        "topology/smollm2-math-gpu.yaml overfilled an H200's 140 GiB and an H100's 80 GiB, "
+                        "four fit the H200, two the H100; a run failing on CUDA out of memory is reported and "
+                        "its seed left out)")
     p.add_argument("--save", type=Path, default=None, help="write each run's curve and summary as JSON here")
     p.add_argument("--combine", type=Path, nargs="+", default=None,
                    help="run nothing: the seeds' summary over --save folders of earlier invocations")
