@@ -56,9 +56,20 @@ LOGIT_CHUNK_TOKENS = 4096
 vocabulary, a small share of a GPU, while still one large matmul per chunk."""
 
 
-def _varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+VARLEN_FA4 = "areal_varlen_fa4"
+"""VARLEN with FlashAttention-4's kernels (the ``flash-attn-4`` package, written in NVIDIA's CuTe DSL, for
+Hopper and Blackwell GPUs) in place of torch's FlashAttention-2: the same attention, forward and
+backward, by faster kernels. Opt-in (``trainer_engine.attn_implementation``): the package is a beta that
+the project does not install; the trainer refuses this name where it is missing or the GPU is older
+than Hopper. On CPU there is no such kernel: use VARLEN."""
+
+
+def _varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, _kernel="fa2",
+                      **kwargs):
     """transformers' attention-function signature: query [1, Hq, N, D], key/value [1, Hkv, N, D]; returns
-    ([1, N, Hq, D], None). The samples' boundaries come as ``cu_seq_lens_q`` (FlashAttention's kwargs)."""
+    ([1, N, Hq, D], None). The samples' boundaries come as ``cu_seq_lens_q`` (FlashAttention's kwargs).
+    ``_kernel`` ("fa2" or "fa4"): which FlashAttention runs on CUDA."""
+    name = VARLEN_FA4 if _kernel == "fa4" else VARLEN
     cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     # Unpacked rows: each row is one sample. transformers hands a registered custom attention no mask,
     # so right padding is exact (causal attention never reaches the pads after a row's tokens); left
@@ -68,13 +79,13 @@ def _varlen_attention(module, query, key, value, attention_mask, scaling=None, d
                                                                enable_gqa=True)
         return out.transpose(1, 2), None
     if cu is None or query.shape[0] != 1:
-        raise ValueError(f"attn_implementation {VARLEN!r} runs packed rows (one row, cu_seq_lens_q given) or "
+        raise ValueError(f"attn_implementation {name!r} runs packed rows (one row, cu_seq_lens_q given) or "
                          f"unpadded ones; padded rows need 'sdpa'")
     if getattr(module, "sliding_window", None):
-        raise ValueError(f"attn_implementation {VARLEN!r} has no sliding window; use 'sdpa' for this model")
+        raise ValueError(f"attn_implementation {name!r} has no sliding window; use 'sdpa' for this model")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
     if q.is_cuda:
-        out = _cuda_varlen(q, k, v, cu, int(longest), scaling)
+        out = _cuda_varlen(q, k, v, cu, int(longest), scaling, _kernel)
     else:
         parts = []
         for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
@@ -86,14 +97,94 @@ def _varlen_attention(module, query, key, value, attention_mask, scaling=None, d
     return out[None], None
 
 
-def _cuda_varlen(q, k, v, cu, longest: int, scaling):
+def _cuda_varlen(q, k, v, cu, longest: int, scaling, kernel: str = "fa2"):
     from torch.nn.attention.varlen import varlen_attn
 
     # FlashAttention takes bf16/fp16 only; under autocast RoPE hands q and k back in float32.
     half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
     q, k, v = (t.to(half) for t in (q, k, v))
     cu = cu.to(torch.int32)
+    if kernel == "fa4":
+        scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
+        return torch.ops.areal_bus.fa4_varlen_fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu, longest,
+                                                  scale)[0]
     return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **_varlen_options())
+
+
+# -- FlashAttention-4 as torch operators ---------------------------------------------------------
+# flash-attn-4's own entry point is an autograd.Function over CuTe DSL launches, which torch.compile
+# cannot trace: inside a compiled decoder layer it would break the graph at every layer. Declared as
+# custom operators (their shapes given for tracing, the backward registered), the compiled layer keeps
+# one graph and calls the kernels as opaque nodes, as it does torch's own varlen_attn. Written here
+# because the package declares none. Causal, grouped key/value heads as they are, one cu for q and k.
+@torch.library.custom_op("areal_bus::fa4_varlen_fwd", mutates_args=(), device_types="cuda",
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor cu, SymInt longest, float scale) "
+                                "-> (Tensor, Tensor)")
+def _fa4_fwd(q, k, v, cu, longest, scale):
+    """(out [N, Hq, D], log-sum-exp [Hq, N] float32) of causal attention within each cu segment."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out, lse = _flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                               max_seqlen_k=longest, softmax_scale=scale, causal=True, return_lse=True)[:2]
+    return out, lse
+
+
+@_fa4_fwd.register_fake
+def _fa4_fwd_shapes(q, k, v, cu, longest, scale):
+    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("areal_bus::fa4_varlen_bwd", mutates_args=(), device_types="cuda",
+                         schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu, "
+                                "SymInt longest, float scale) -> (Tensor, Tensor, Tensor)")
+def _fa4_bwd(dout, q, k, v, out, lse, cu, longest, scale):
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout, lse, scale, True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                 max_seqlen_q=longest, max_seqlen_k=longest)[:3]
+    return dq, dk, dv
+
+
+@_fa4_bwd.register_fake
+def _fa4_bwd_shapes(dout, q, k, v, out, lse, cu, longest, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fa4_setup(ctx, inputs, output):
+    q, k, v, cu, longest, scale = inputs
+    ctx.save_for_backward(q, k, v, cu, *output)
+    ctx.longest, ctx.scale = longest, scale
+
+
+def _fa4_backward(ctx, dout, _dlse):
+    q, k, v, cu, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.areal_bus.fa4_varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu, ctx.longest, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+_fa4_fwd.register_autograd(_fa4_backward, setup_context=_fa4_setup)
+
+
+def _varlen_attention_fa4(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    return _varlen_attention(module, query, key, value, attention_mask, scaling, dropout, _kernel="fa4", **kwargs)
+
+
+def check_fa4(device: str | torch.device) -> None:
+    """Raises ValueError, saying what is missing, unless VARLEN_FA4 can run on ``device``: a CUDA GPU of
+    compute capability 9 or newer (Hopper, Blackwell) with the flash-attn-4 package importable."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"attn_implementation {VARLEN_FA4!r} runs on a CUDA GPU (Hopper or newer), not on "
+                         f"{dev.type}; use {VARLEN!r}")
+    major, minor = torch.cuda.get_device_capability(dev)
+    if major < 9:
+        raise ValueError(f"attn_implementation {VARLEN_FA4!r}: FlashAttention-4's backward needs compute "
+                         f"capability 9.0 or newer (Hopper, Blackwell), this GPU has {major}.{minor}; use {VARLEN!r}")
+    try:
+        import flash_attn.cute.interface  # noqa: F401
+    except Exception as exc:  # ImportError, or the CuTe DSL failing to load its libraries
+        raise ValueError(f"attn_implementation {VARLEN_FA4!r} needs the flash-attn-4 package (pip install --pre "
+                         f"flash-attn-4), which did not import: {type(exc).__name__}: {exc}") from exc
 
 
 _VARLEN_OPTIONS: dict = {}
@@ -122,6 +213,7 @@ def _register_varlen() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(VARLEN, _varlen_attention)
+    AttentionInterface.register(VARLEN_FA4, _varlen_attention_fa4)
     with contextlib.suppress(ImportError):  # a torch without it has no CUDA varlen path to call
         _varlen_options()
 
@@ -134,6 +226,8 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", *, attn_im
 
     path = Path(path)
     _register_varlen()
+    if attn_implementation == VARLEN_FA4:
+        check_fa4(device)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation,
                                                      local_files_only=True)

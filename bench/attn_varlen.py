@@ -5,7 +5,9 @@ key/value heads repeated to the query's (``repeat``: the engine where torch's ``
 
 Workload: sample lengths as bench/trainer.py draws them (lognormal, median 500, sigma 0.8, clipped to
 200..3,000) packed into micro-batches of --tokens tokens, at a shape's attention (Qwen2-0.5B: 14 query
-heads, 2 key/value heads, head_dim 64; 1.5B: 12 / 2 / 128), bf16. Checked first: each backend's
+heads, 2 key/value heads, head_dim 64; 1.5B: 12 / 2 / 128), bf16; and FlashAttention-4 (``fa4``: the
+flash-attn-4 package through the trainer's operators; ``fa4c``: the same inside a compiled function), where
+the package is installed. Checked first: each backend's
 output and gradients against float32 attention computed sample by sample (max abs error). Timed:
 --iters forward+backward passes after --warmup, CUDA events, and the attention FLOPs (causal: 2 x 2 x
 sum len^2 x heads x head_dim / 2 per forward, x 2.5 more for backward).
@@ -20,6 +22,7 @@ import argparse
 import inspect
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -57,7 +60,27 @@ def fa2_gqa(q, k, v, cu, longest, scale):
     return _varlen(q, k, v, cu, longest, scale, **extra)
 
 
-BACKENDS = (("repeat", fa2_repeat), ("gqa", fa2_gqa))
+def fa4(q, k, v, cu, longest, scale):
+    """FlashAttention-4 (the flash-attn-4 package) through the trainer's own operators
+    (``areal_bus::fa4_varlen_fwd``/``_bwd``, what ``attn_implementation: areal_varlen_fa4`` calls)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import areal_bus.train_model  # noqa: F401 - registers the operators
+
+    return torch.ops.areal_bus.fa4_varlen_fwd(q, k, v, cu, longest, scale)[0]
+
+
+def fa4_compiled(q, k, v, cu, longest, scale):
+    """The same operator inside a torch.compile'd function (fullgraph: no graph break allowed), as a
+    compiled decoder layer calls it."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(lambda q, k, v, cu, n, s: fa4(q * 1.0, k, v, cu, n, s), fullgraph=True,
+                                  dynamic=True)
+    return _COMPILED(q, k, v, cu, longest, scale)
+
+
+_COMPILED = None
+BACKENDS = (("repeat", fa2_repeat), ("gqa", fa2_gqa), ("fa4", fa4), ("fa4c", fa4_compiled))
 
 
 def reference(q, k, v, sizes, scale):

@@ -26,7 +26,9 @@ the same random float32 weights (a Hugging Face folder written once per shape).
             trainer_engine.prox_logp_method loglinear (no proximal forward; none counted in MFU either),
             ``+nokeep`` trainer_engine.logit_grad_keep_gib 0 (the lm_head's logits recomputed in backward
             instead of their gradient kept from the forward), ``+chunk8k`` trainer_engine.logit_chunk_tokens
-            8192 (4096 otherwise), ``+padN`` trainer_engine.micro_batch_pad_tokens N;
+            8192 (4096 otherwise), ``+padN`` trainer_engine.micro_batch_pad_tokens N, ``+keepN``
+            trainer_engine.logit_grad_keep_gib N, ``+fa4`` trainer_engine.attn_implementation
+            areal_varlen_fa4 (FlashAttention-4's kernels; needs the flash-attn-4 package);
             bench-only tries of inductor's settings with +compile: ``+cppwrap`` (cpp_wrapper), ``+combo``
             (combo_kernels), ``+autotune`` (max_autotune_gemm), ``+noguard`` (after the warm-up,
             torch.compiler.set_stance's skip_guard_eval_unsafe).
@@ -75,7 +77,7 @@ import torch  # noqa: E402
 from areal_bus.loss import decoupled_ppo_loss  # noqa: E402
 from areal_bus.modeling import QWEN2_0_5B, TINY_QWEN2, make_random_model, token_logprobs  # noqa: E402
 from areal_bus.modeling import save_pretrained  # noqa: E402
-from areal_bus.train_model import VARLEN, train_flops  # noqa: E402
+from areal_bus.train_model import VARLEN, VARLEN_FA4, train_flops  # noqa: E402
 from areal_bus.packing import mini_batches as split  # noqa: E402
 
 PEAK_BF16 = 989e12
@@ -158,12 +160,17 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
     '+loglinear' sets trainer_engine.prox_logp_method: loglinear (no proximal forward), '+nokeep'
     trainer_engine.logit_grad_keep_gib: 0 (the head's logits recomputed in backward), '+chunk8k'
     trainer_engine.logit_chunk_tokens: 8192 (else 4096, the default), '+padN' (e.g. +pad256)
-    trainer_engine.micro_batch_pad_tokens N (else --pad-tokens)."""
+    trainer_engine.micro_batch_pad_tokens N (else --pad-tokens), '+keepN' trainer_engine.logit_grad_keep_gib
+    N (GiB), '+fa4' trainer_engine.attn_implementation areal_varlen_fa4 (else --attn)."""
     mp, *flags = variant.split("+")
     pads = [int(f[3:]) for f in flags if f.startswith("pad") and f[3:].isdigit()]
-    known = {"compile", "loglinear", "nokeep", "chunk8k", *INDUCTOR_FLAGS, "noguard"}
-    if set(flags) - known - {f"pad{n}" for n in pads} or len(pads) > 1:
-        raise SystemExit(f"--paths: unknown flag in {variant!r} ({', '.join(sorted(known))}, padN)")
+    keeps = [float(f[4:]) for f in flags if f.startswith("keep") and f[4:].replace(".", "", 1).isdigit()]
+    known = {"compile", "loglinear", "nokeep", "chunk8k", "fa4", *INDUCTOR_FLAGS, "noguard"}
+    named = {f for f in flags if (f.startswith("pad") and f[3:].isdigit())
+             or (f.startswith("keep") and f[4:].replace(".", "", 1).isdigit())}
+    if set(flags) - known - named or len(pads) > 1 or len(keeps) > 1:
+        raise SystemExit(f"--paths: unknown flag in {variant!r} ({', '.join(sorted(known))}, padN, keepN)")
+    keep = 0 if "nokeep" in flags else (keeps[0] if keeps else None)
     prox = "loglinear" if "loglinear" in flags else "recompute"
     # Today's schema's defaults under the fields set here, so a knob added to the engine later reads its
     # default instead of failing here (the old tree's engine reads the explicit ones).
@@ -173,10 +180,11 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
         is_async=False, staleness_threshold=2, staleness=SimpleNamespace(**StalenessConfig().model_dump()),
         trainer_engine=SimpleNamespace(**{**TrainerEngineConfig().model_dump(), **dict(
             kl_coef=0.0, ppo_epochs=1, eps_clip=0.2, eps_clip_high=None, behav_imp_weight_cap=5.0, grad_clip=1.0,
-            adv_std_normalize=True, adv_leave_one_out=False, attn_implementation=args.attn,
+            adv_std_normalize=True, adv_leave_one_out=False,
+            attn_implementation=VARLEN_FA4 if "fa4" in flags else args.attn,
             micro_batch_tokens=args.micro_tokens, logit_chunk_tokens=8192 if "chunk8k" in flags else 4096,
             micro_batch_pad_tokens=pads[0] if pads else args.pad_tokens, prox_logp_method=prox,
-            logit_grad_keep_gib=0 if "nokeep" in flags else None, gradient_checkpointing=args.checkpointing,
+            logit_grad_keep_gib=keep, gradient_checkpointing=args.checkpointing,
             mixed_precision=mp or "compute_copy", compile="compile" in flags, eval_interval=0)}),
         model=SimpleNamespace(device=str(device), dtype="bfloat16" if device.type == "cuda" else args.cpu_dtype,
                               seed=0, threads=1),
@@ -353,7 +361,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="0.5b,1.5b", help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--paths", default="baseline,old,engine:autocast,engine:compute_copy,engine:compute_copy+compile",
                     help="comma list: baseline (the old path re-implemented), old (the engine of --old-tree), "
-                         "engine:<compute_copy|autocast>[+compile][+loglinear][+nokeep][+chunk8k][+padN] (today's engine and its knobs); the first that "
+                         "engine:<compute_copy|autocast>[+compile][+loglinear][+nokeep][+chunk8k][+padN][+keepN][+fa4] (today's engine and its knobs); the first that "
                          "runs is the base of the last column")
     ap.add_argument("--old-tree", default=None, help="a folder holding the old areal_bus/ (for the path 'old')")
     ap.add_argument("--device", default="cuda")

@@ -12,8 +12,9 @@ import torch
 from areal_bus.loss import decoupled_ppo_loss
 from areal_bus.modeling import load_pretrained, logprobs_of, token_logprobs
 from areal_bus.packing import pack
-from areal_bus.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, head_logprobs, load_policy,
-                                   packed_logprobs, train_flops)
+from areal_bus.engines.torch_train import compile_layers
+from areal_bus.train_model import (VARLEN, VARLEN_FA4, ComputeCopy, PackedLM, autocast, export_state_dict,
+                                   head_logprobs, load_policy, packed_logprobs, train_flops)
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
 
@@ -382,6 +383,115 @@ def test_cuda_compiled_head_matches_the_float32_definition(temperature, softcap,
     for got, want in ((gh, rh), (gw, rw)):
         cos = torch.nn.functional.cosine_similarity(got.float().flatten(), want.flatten(), dim=0)
         assert float(cos) > 0.999
+
+
+def _segment_attention(q, k, v, cu, scale):
+    """float32 causal attention within each segment of cu: (out [N, Hq, D], log-sum-exp [Hq, N])."""
+    outs, lses = [], []
+    bounds = cu.tolist()
+    rep = q.shape[1] // k.shape[1]
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        qs = q[s:e].float().transpose(0, 1)
+        ks, vs = (t[s:e].float().transpose(0, 1).repeat_interleave(rep, 0) for t in (k, v))
+        scores = (qs @ ks.transpose(1, 2)) * scale
+        scores = scores.masked_fill(torch.ones(e - s, e - s, dtype=torch.bool).triu(1), float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        outs.append((torch.exp(scores - lse[..., None]) @ vs).transpose(0, 1))
+        lses.append(lse)
+    return torch.cat(outs).to(q.dtype), torch.cat(lses, 1)
+
+
+def test_the_fa4_operators_differentiate_and_compile_without_a_graph_break():
+    """``areal_bus::fa4_varlen_fwd``/``_bwd`` (FlashAttention-4's kernels on CUDA) wired as torch operators:
+    with a float32 reference kernel registered for CPU in their place, the forward, the registered backward
+    (dq, dk, dv from the saved inputs, output and log-sum-exp) and a fullgraph torch.compile through them
+    give plain autograd's attention and its gradients."""
+    lib = torch.library.Library("areal_bus", "IMPL")  # the CPU kernels live as long as this test
+
+    def fwd(q, k, v, cu, longest, scale):
+        return _segment_attention(q, k, v, cu, scale)
+
+    def bwd(dout, q, k, v, out, lse, cu, longest, scale):  # attention's backward from the saved out and lse
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        rep = q.shape[1] // k.shape[1]
+        bounds = cu.tolist()
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            qs, o, do = (t[s:e].float().transpose(0, 1) for t in (q, out, dout))
+            ks, vs = (t[s:e].float().transpose(0, 1).repeat_interleave(rep, 0) for t in (k, v))
+            p = torch.exp((qs @ ks.transpose(1, 2)) * scale - lse[:, s:e, None]).tril()
+            dp = do @ vs.transpose(1, 2)
+            ds = p * (dp - (do * o).sum(-1, keepdim=True))
+            dq[s:e] = (ds @ ks * scale).transpose(0, 1)
+            dk[s:e] = (ds.transpose(1, 2) @ qs * scale).unflatten(0, (-1, rep)).sum(1).transpose(0, 1)
+            dv[s:e] = (p.transpose(1, 2) @ do).unflatten(0, (-1, rep)).sum(1).transpose(0, 1)
+        return dq, dk, dv
+
+    lib.impl("fa4_varlen_fwd", fwd, "CPU")
+    lib.impl("fa4_varlen_bwd", bwd, "CPU")
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 7, 20, 23], dtype=torch.int32)
+    q, k, v = (torch.randn(23, h, 8, generator=g) for h in (4, 2, 2))
+    upstream = torch.randn(23, 4, 8, generator=g)
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves)
+        return [out.detach(), *torch.autograd.grad(out, leaves, upstream)]
+
+    want = grads(lambda q, k, v: _segment_attention(q, k, v, cu, 0.3)[0])
+    op = lambda q, k, v: torch.ops.areal_bus.fa4_varlen_fwd(q, k, v, cu, 13, 0.3)[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: op(q * 1.0, k, v), fullgraph=True, backend="aot_eager")
+    for fn in (op, compiled):
+        for got, ref in zip(grads(fn), want):
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_fa4_attention_is_refused_with_what_it_needs_off_a_hopper_gpu(tmp_path):
+    _save_random("qwen2", tmp_path / "m")
+    with pytest.raises(ValueError, match="areal_varlen_fa4.*CUDA GPU.*not on cpu"):
+        load_policy(tmp_path / "m", "cpu", attn_implementation=VARLEN_FA4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a Hopper or newer CUDA device")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_fa4_attention_matches_fa2_in_the_model_with_its_gradients(tmp_path, compiled):
+    """attn_implementation areal_varlen_fa4 (FlashAttention-4) against areal_varlen (torch's
+    FlashAttention-2) on one packed micro-batch through a tiny Qwen2 (head_dim 64, grouped key/value
+    heads), compute copy in bf16: the same log-probabilities and weight gradients, compiled layers too
+    (with no graph break)."""
+    pytest.importorskip("flash_attn.cute.interface")
+    import transformers
+    from torch._dynamo.utils import counters
+
+    cfg = transformers.Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    samples = _samples(np.random.default_rng(6), [300, 17, 1000, 64, 700], vocab=512)
+    (packed,) = pack(samples, max_tokens=4096, pad_to=1024)
+    dev = torch.device("cuda")
+    packed = packed.to(dev)
+    results = []
+    torch._dynamo.reset()
+    counters.clear()
+    for attn in (VARLEN, VARLEN_FA4):
+        copy = ComputeCopy(PackedLM(load_policy(tmp_path / "m", dev, attn_implementation=attn)), torch.bfloat16)
+        if compiled:
+            compile_layers(copy.module)
+        lp, _ = packed_logprobs(copy.module, packed, chunk=256)
+        (lp * packed.mask).sum().backward()
+        results.append((lp.detach().float(), [p.grad.float() for p in copy.module.parameters()]))
+    (lp2, g2), (lp4, g4) = results
+    torch.testing.assert_close(lp4, lp2, atol=0.02, rtol=0.01)
+    for a, b in zip(g4, g2):
+        cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
+        assert float(cos) > 0.999
+    if compiled:
+        assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
 
 
 def test_a_padded_micro_batch_has_the_same_log_probabilities_and_loss(tmp_path):
