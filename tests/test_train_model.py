@@ -484,12 +484,14 @@ def test_cuda_fa4_attention_matches_fa2_in_the_model_with_its_gradients(tmp_path
             compile_layers(copy.module)
         lp, _ = packed_logprobs(copy.module, packed, chunk=256)
         (lp * packed.mask).sum().backward()
-        results.append((lp.detach().float(), [p.grad.float() for p in copy.module.parameters()]))
+        results.append((lp.detach().float(), dict((n, p.grad.float()) for n, p in copy.module.named_parameters())))
     (lp2, g2), (lp4, g4) = results
     torch.testing.assert_close(lp4, lp2, atol=0.02, rtol=0.01)
-    for a, b in zip(g4, g2):
-        cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
-        assert float(cos) > 0.999
+    for name, want in g2.items():
+        if name.endswith("k_proj.bias"):  # a key bias shifts a query's scores alike: its gradient is 0, as noise
+            continue
+        cos = torch.nn.functional.cosine_similarity(g4[name].flatten(), want.flatten(), dim=0)
+        assert float(cos) > 0.999, name
     if compiled:
         assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
 
