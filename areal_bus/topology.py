@@ -244,7 +244,9 @@ class TrainerEngineConfig(_Strict):
     attn_implementation: str = Field("areal_varlen", min_length=1, description="torch: transformers' attention "
                                      "for the trainer's packed rows. 'areal_varlen': attention within each sample "
                                      "(FlashAttention varlen on CUDA, causal SDPA per sample on CPU; "
-                                     "areal_bus/train_model.py); or a name transformers knows ('sdpa' builds an "
+                                     "areal_bus/train_model.py); 'areal_varlen_fa4': the same with "
+                                     "FlashAttention-4's kernels (the flash-attn-4 package, Hopper or newer; "
+                                     "opt-in, bench/RESULTS.md); or a name transformers knows ('sdpa' builds an "
                                      "[N, N] block mask and computes every block of it: 3x slower on CPU, more "
                                      "on GPUs; 'flex_attention', 'flash_attention_2', ...).")
     micro_batch_tokens: int = Field(16384, ge=16, le=10_000_000, description="torch: tokens packed into one "
