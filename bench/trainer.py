@@ -28,8 +28,7 @@ the same random float32 weights (a Hugging Face folder written once per shape).
             instead of their gradient kept from the forward), ``+chunk8k`` trainer_engine.logit_chunk_tokens
             8192 (4096 otherwise), ``+padN`` trainer_engine.micro_batch_pad_tokens N, ``+keepN``
             trainer_engine.logit_grad_keep_gib N, ``+fa4`` trainer_engine.attn_implementation
-            areal_varlen_fa4 (FlashAttention-4's kernels; needs the flash-attn-4 package), ``+gcauto``
-            Python's garbage collector as it is (the engine settles and freezes it after each update);
+            areal_varlen_fa4 (FlashAttention-4's kernels; needs the flash-attn-4 package);
             bench-only tries of inductor's settings with +compile: ``+cppwrap`` (cpp_wrapper), ``+combo``
             (combo_kernels), ``+autotune`` (max_autotune_gemm), ``+noguard`` (after the warm-up,
             torch.compiler.set_stance's skip_guard_eval_unsafe).
@@ -166,7 +165,7 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
     mp, *flags = variant.split("+")
     pads = [int(f[3:]) for f in flags if f.startswith("pad") and f[3:].isdigit()]
     keeps = [float(f[4:]) for f in flags if f.startswith("keep") and f[4:].replace(".", "", 1).isdigit()]
-    known = {"compile", "loglinear", "nokeep", "chunk8k", "fa4", "gcauto", *INDUCTOR_FLAGS, "noguard"}
+    known = {"compile", "loglinear", "nokeep", "chunk8k", "fa4", *INDUCTOR_FLAGS, "noguard"}
     named = {f for f in flags if (f.startswith("pad") and f[3:].isdigit())
              or (f.startswith("keep") and f[4:].replace(".", "", 1).isdigit())}
     if set(flags) - known - named or len(pads) > 1 or len(keeps) > 1:
@@ -212,7 +211,6 @@ class EnginePath:
 
         self.args, self.device, self.variant = args, device, variant
         self.engine = TorchTrainEngine(bench_topology(args, device, 1, variant), args.model_dir, device=device)
-        self.engine.freeze_gc = "+gcauto" not in variant  # +gcauto: Python's collector left as it is
         self.model = self.engine.model
 
     def update(self, samples: list[dict]) -> float:

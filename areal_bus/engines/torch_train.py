@@ -32,7 +32,6 @@ sequence continues.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import shutil
 import time
@@ -141,7 +140,6 @@ class TorchTrainEngine:
         self.publisher = publisher  # train_engine.WeightPublisher: the buffers rollout workers read; None: no export
         self.dp = dp  # the other ranks (torch_dp.DataParallel) a parallel engine hands each batch to
         self._evaluator = None  # HeldOutEvaluator, made at the first evaluation
-        self.freeze_gc = True  # settle_garbage() after each update (bench/trainer.py's +gcauto turns it off)
 
     # -- what a parallel layout (torch_parallel.ParallelTrainEngine) replaces ------------------
     def _prepare_model(self, policy: PackedLM) -> PackedLM:
@@ -290,8 +288,6 @@ class TorchTrainEngine:
         out = {k: v / steps for k, v in zip(names, values)}
         out["tokens"] = int(data["mask"].sum())
         out["entropy"] = values[-1] / max(1.0, ent_tokens)  # this rank's tokens (with dp, rank 0's share)
-        if self.freeze_gc:
-            settle_garbage()
         out["compute_s"] = time.perf_counter() - t0
         return out
 
@@ -429,19 +425,6 @@ class _Plans:
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
-
-
-def settle_garbage() -> None:
-    """Collect Python's cyclic garbage now, between updates, then freeze what survives out of the
-    collector's view (``gc.freeze``), so that no full collection starts in the middle of an update.
-
-    torch.compile leaves millions of long-lived Python objects (graphs, guards, generated code); a full
-    collection walks them all, which takes a noticeable part of a second, and the interpreter starts one
-    whenever enough allocations pile up, so it lands in some updates and not others. After the freeze a
-    collection walks only what was made since the last update, and this call's own collection is that
-    small walk. What an update leaves as garbage is still collected (here, before the freeze)."""
-    gc.collect()
-    gc.freeze()
 
 
 def dropout_free(model) -> bool:
