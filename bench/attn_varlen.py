@@ -60,12 +60,15 @@ def fa2_gqa(q, k, v, cu, longest, scale):
     return _varlen(q, k, v, cu, longest, scale, **extra)
 
 
-def fa4(q, k, v, cu, longest, scale):
-    """FlashAttention-4 (the flash-attn-4 package) through the trainer's own operators
-    (``areal_bus::fa4_varlen_fwd``/``_bwd``, what ``attn_implementation: areal_varlen_fa4`` calls)."""
+def _register_fa4() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import areal_bus.train_model  # noqa: F401 - registers the operators
 
+
+def fa4(q, k, v, cu, longest, scale):
+    """FlashAttention-4 (the flash-attn-4 package) through the trainer's own operators
+    (``areal_bus::fa4_varlen_fwd``/``_bwd``, what ``attn_implementation: areal_varlen_fa4`` calls)."""
+    _register_fa4()
     return torch.ops.areal_bus.fa4_varlen_fwd(q, k, v, cu, longest, scale)[0]
 
 
@@ -74,8 +77,9 @@ def fa4_compiled(q, k, v, cu, longest, scale):
     compiled decoder layer calls it."""
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = torch.compile(lambda q, k, v, cu, n, s: fa4(q * 1.0, k, v, cu, n, s), fullgraph=True,
-                                  dynamic=True)
+        _register_fa4()  # outside the compiled function: the import is no graph
+        op = lambda q, k, v, cu, n, s: torch.ops.areal_bus.fa4_varlen_fwd(q * 1.0, k, v, cu, n, s)[0]
+        _COMPILED = torch.compile(op, fullgraph=True, dynamic=True)
     return _COMPILED(q, k, v, cu, longest, scale)
 
 

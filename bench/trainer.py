@@ -361,8 +361,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="0.5b,1.5b", help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--paths", default="baseline,old,engine:autocast,engine:compute_copy,engine:compute_copy+compile",
                     help="comma list: baseline (the old path re-implemented), old (the engine of --old-tree), "
-                         "engine:<compute_copy|autocast>[+compile][+loglinear][+nokeep][+chunk8k][+padN][+keepN][+fa4] (today's engine and its knobs); the first that "
-                         "runs is the base of the last column")
+                         "engine:<compute_copy|autocast>[+compile][+loglinear][+nokeep][+chunk8k][+padN][+keepN]"
+                         "[+fa4] (today's engine and its knobs); the first that runs is the base of the last column")
     ap.add_argument("--old-tree", default=None, help="a folder holding the old areal_bus/ (for the path 'old')")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cpu-dtype", default="float32", help="cpu: model.dtype of the engine paths")
