@@ -8,8 +8,8 @@ same function, ``modeling.logprobs_of`` (tempered full softmax; the trainer's ch
 ``logprobs_and_normaliser``), so the trainer's recompute and the sampler's record agree by construction.
 
 The micro-batches it runs are packed by ``areal_bus.packing`` (samples end to end in one row, position
-ids reset per sample, attention within each sample: ``VARLEN``). Two things here are written by hand
-because no library does them for this objective:
+ids reset per sample, attention within each sample: ``VARLEN``). Three things here are written by hand
+because no library does them for this objective or this use:
 
 * ``packed_logprobs``: the language-model head is applied to a chunk of positions at a time, forward
   and backward (``HeadLogprobs``), so no [tokens, vocab] float32 tensor is ever whole (at Qwen2's 152k
@@ -18,6 +18,9 @@ because no library does them for this objective:
   logits are recomputed in backward). On a GPU the per-chunk softmax arithmetic is compiled into one pass
   over the bf16 logits each way, where eager torch made six float32 passes (cast, max, subtract, exp,
   sum, and as many back).
+* FlashAttention-4 as torch operators (``areal_bus::fa4_varlen_fwd``/``_bwd``, for ``VARLEN_FA4``): the
+  flash-attn-4 package declares none, and torch.compile cannot trace its own entry point, so without them a
+  compiled decoder layer would break its graph at every attention.
 * mixed precision: the weights and AdamW's state stay float32 (master weights). At RL learning rates
   (1e-6) an update is far below bfloat16's resolution of a weight, so pure-bf16 training rounds most
   updates away. Compute is bf16 in one of two ways: ``ComputeCopy`` (the default in one process) keeps
