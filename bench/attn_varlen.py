@@ -10,7 +10,9 @@ flash-attn-4 package through the trainer's operators; ``fa4c``: the same inside 
 the package is installed. Checked first: each backend's
 output and gradients against float32 attention computed sample by sample (max abs error). Timed:
 --iters forward+backward passes after --warmup, CUDA events, and the attention FLOPs (causal: 2 x 2 x
-sum len^2 x heads x head_dim / 2 per forward, x 2.5 more for backward).
+sum len^2 x heads x head_dim / 2 per forward, x 2.5 more for backward); and the host's own time per
+forward+backward, the same calls queued behind a sleeping kernel (a backend whose host work exceeds its
+device time cannot keep the GPU busy, whatever its kernels' speed).
 
 Run (GPU):  python3 bench/attn_varlen.py                 (both shapes, ~1 min)
 Prints one line per shape and backend and a ``RESULT`` line; a backend that cannot run says why.
@@ -157,9 +159,17 @@ def main() -> int:
                     ev[1].record()
                     torch.cuda.synchronize()
                     ms = ev[0].elapsed_time(ev[1]) / args.iters
+                    # The host's own time per call: the same calls queued behind a long sleep kernel, so
+                    # the host never waits for the device (a call that synchronizes shows the sleep).
+                    torch.cuda._sleep(int(2e9))
+                    t0 = time.perf_counter()
+                    for _ in range(args.iters):
+                        run(fn, q, k, v, cu, longest, scale, g)
+                    host_ms = (time.perf_counter() - t0) * 1e3 / args.iters
+                    torch.cuda.synchronize()
                     print(f"{shape:5} {name:6} {n} tokens, {len(sizes)} samples: fwd+bwd {ms:.2f} ms, "
-                          f"{flops / ms / 1e9:.0f} TFLOP/s")
-                    result.append(f"{shape}_{name}_ms={ms:.3f}")
+                          f"{flops / ms / 1e9:.0f} TFLOP/s; host {host_ms:.2f} ms a call")
+                    result.append(f"{shape}_{name}_ms={ms:.3f} {shape}_{name}_host_ms={host_ms:.3f}")
                 except Exception as exc:  # noqa: BLE001
                     print(f"{shape:5} {name:6} timed   cannot run: {type(exc).__name__}: {str(exc)[:200]}")
     print("RESULT " + " ".join(result))
