@@ -163,12 +163,13 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
     trainer_engine.micro_batch_pad_tokens N (else --pad-tokens), '+keepN' trainer_engine.logit_grad_keep_gib
     N (GiB), '+fa4' trainer_engine.attn_implementation areal_varlen_fa4 (else --attn)."""
     mp, *flags = variant.split("+")
-    pads = [int(f[3:]) for f in flags if f.startswith("pad") and f[3:].isdigit()]
-    keeps = [float(f[4:]) for f in flags if f.startswith("keep") and f[4:].replace(".", "", 1).isdigit()]
+    number = lambda prefix: {f: float(f[len(prefix):]) for f in flags
+                             if f.startswith(prefix) and f[len(prefix):].replace(".", "", 1).isdigit()}
+    pad_flags, keep_flags = number("pad"), number("keep")
+    pads, keeps = [int(n) for n in pad_flags.values()], list(keep_flags.values())
     known = {"compile", "loglinear", "nokeep", "chunk8k", "fa4", *INDUCTOR_FLAGS, "noguard"}
-    named = {f for f in flags if (f.startswith("pad") and f[3:].isdigit())
-             or (f.startswith("keep") and f[4:].replace(".", "", 1).isdigit())}
-    if set(flags) - known - named or len(pads) > 1 or len(keeps) > 1:
+    whole_pads = all(n.is_integer() for n in pad_flags.values())
+    if set(flags) - known - set(pad_flags) - set(keep_flags) or len(pads) > 1 or len(keeps) > 1 or not whole_pads:
         raise SystemExit(f"--paths: unknown flag in {variant!r} ({', '.join(sorted(known))}, padN, keepN)")
     keep = 0 if "nokeep" in flags else (keeps[0] if keeps else None)
     prox = "loglinear" if "loglinear" in flags else "recompute"
