@@ -252,8 +252,11 @@ def measure(name: str, cfg: dict, updates, args, device) -> dict:
     engine = make_path(name, cfg, args, device)
     times, losses = [], []
     first_s = None
+    kernels = []  # FlashAttention-4's compiled kernels in this process, after the warm-up and at the end
     for i, samples in enumerate(updates):
         prof = None
+        if i == args.warmup and "+fa4" in name:
+            kernels.append(fa4_kernels())
         if i == args.warmup and "+noguard" in name:  # the warm-up compiled every graph: differentiating guards only
             torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
         if args.profile and i == args.warmup:
@@ -303,10 +306,21 @@ def measure(name: str, cfg: dict, updates, args, device) -> dict:
     loss_tokens = lambda samples: sum(int((s["mask"][1:] != 0).sum()) for s in samples)  # a sample's first: none
     head = (cfg["vocab_size"] * cfg["hidden_size"], loss_tokens([s for u in timed for s in u]), loss_tokens(later))
     flops = train_flops(n_params, cfg["num_hidden_layers"], cfg["hidden_size"], tokens, sq, proximal, head)
+    if "+fa4" in name:
+        kernels.append(fa4_kernels())
     secs = sum(times)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     return {"params": n_params, "tokens_per_s": tokens / secs, "mfu": flops / secs / PEAK_BF16,
-            "s_per_update": secs / len(times), "first_s": first_s, "peak_gib": peak, "loss": losses[-1]}
+            "s_per_update": secs / len(times), "first_s": first_s, "peak_gib": peak, "loss": losses[-1],
+            "update_s": [round(t, 3) for t in times], "fa4_kernels": kernels}
+
+
+def fa4_kernels() -> int:
+    """How many kernels FlashAttention-4 has compiled in this process (its in-memory caches): a count that
+    grows during the timed updates means a JIT compilation (seconds) inside them."""
+    from flash_attn.cute import interface
+
+    return sum(len(getattr(f, "compile_cache", ())) for f in vars(interface).values() if callable(f))
 
 
 # Inductor settings a path may try on top of +compile (bench-only, to see whether they pay before any
@@ -338,6 +352,10 @@ def worker(args, device) -> int:
               f"{dict(list(counters['graph_break'].items())[:3])}, recompiles "
               f"{sum(counters['recompiles'].values())}, unique graphs {counters['stats']['unique_graphs']}",
               file=sys.stderr)
+    if "update_s" in r:
+        print(f"# {args.worker}: timed updates (s) {r['update_s']}"
+              + (f", FlashAttention-4 kernels compiled after the warm-up / at the end {r['fa4_kernels']}"
+                 if r["fa4_kernels"] else ""), file=sys.stderr)
     print("WORKER " + json.dumps(r), flush=True)
     return 0
 
