@@ -320,7 +320,8 @@ def fa4_kernels() -> int:
     grows during the timed updates means a JIT compilation (seconds) inside them."""
     from flash_attn.cute import interface
 
-    return sum(len(getattr(f, "compile_cache", ())) for f in vars(interface).values() if callable(f))
+    caches = [getattr(f, "compile_cache", None) for f in vars(interface).values() if callable(f)]
+    return sum(len(getattr(c, "cache", c)) for c in caches if c is not None)  # JITCache keeps a dict
 
 
 # Inductor settings a path may try on top of +compile (bench-only, to see whether they pay before any
