@@ -14,7 +14,12 @@ sum len^2 x heads x head_dim / 2 per forward, x 2.5 more for backward); and the 
 forward+backward, the same calls queued behind a sleeping kernel (a backend whose host work exceeds its
 device time cannot keep the GPU busy, whatever its kernels' speed).
 
+--cprofile N: after the timings, the host's Python profile (cProfile) of N forward+backward calls of each
+backend at the first shape, its 15 costliest functions by own time (stderr): where a backend's host
+time per call goes.
+
 Run (GPU):  python3 bench/attn_varlen.py                 (both shapes, ~1 min)
+            python3 bench/attn_varlen.py --shapes 0.5b --cprofile 200
 Prints one line per shape and backend and a ``RESULT`` line; a backend that cannot run says why.
 """
 
@@ -109,6 +114,33 @@ def run(fn, q, k, v, cu, longest, scale, g):
     return o, dq, dk, dv
 
 
+def host_profile(backends, calls: int, inputs) -> None:
+    """cProfile of ``calls`` forward+backward calls per backend, the device kept busy by a sleeping kernel
+    so the host never waits: the 15 functions with the most own time, to stderr."""
+    import cProfile
+    import io
+    import pstats
+
+    for name, fn in backends:
+        try:
+            run(fn, *inputs)  # compiled and warm
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(4e9))
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                run(fn, *inputs)
+            prof.disable()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001
+            print(f"# host profile of {name}: cannot run: {type(exc).__name__}: {exc}", file=sys.stderr)
+            continue
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
+        print(f"# host profile of {name}, {calls} forward+backward calls:\n" + "\n".join(
+            line for line in out.getvalue().splitlines() if line.strip()), file=sys.stderr)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="0.5b,1.5b")
@@ -116,7 +148,10 @@ def main() -> int:
     ap.add_argument("--check-tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--cprofile", type=int, default=0, help="profile this many calls of each backend's host work")
+    ap.add_argument("--backends", default=",".join(n for n, _ in BACKENDS))
     args = ap.parse_args()
+    backends = [(n, fn) for n, fn in BACKENDS if n in args.backends.split(",")]
     dev = torch.device("cuda")
     print(f"# bench/attn_varlen.py {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -137,7 +172,7 @@ def main() -> int:
             g = torch.randn(n, hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
             if not timed:  # correctness against float32
                 ref = run(lambda q, k, v, *_: reference(q, k, v, sizes, scale), q, k, v, cu, longest, scale, g.float())
-                for name, fn in BACKENDS:
+                for name, fn in backends:
                     try:
                         got = run(fn, q, k, v, cu, longest, scale, g)
                         errs = [float((a.float() - b).abs().max()) for a, b in zip(got, ref)]
@@ -149,7 +184,7 @@ def main() -> int:
                 continue
             sq = sum(s * s for s in sizes)
             flops = 2 * 2 * sq * hq * d / 2 * (1 + 2.5)  # causal: half of the square
-            for name, fn in BACKENDS:
+            for name, fn in backends:
                 try:
                     for _ in range(args.warmup):
                         run(fn, q, k, v, cu, longest, scale, g)
@@ -174,6 +209,8 @@ def main() -> int:
                     result.append(f"{shape}_{name}_ms={ms:.3f} {shape}_{name}_host_ms={host_ms:.3f}")
                 except Exception as exc:  # noqa: BLE001
                     print(f"{shape:5} {name:6} timed   cannot run: {type(exc).__name__}: {str(exc)[:200]}")
+            if args.cprofile and shape == args.shapes.split(",")[0]:
+                host_profile(backends, args.cprofile, (q, k, v, cu, longest, scale, g))
     print("RESULT " + " ".join(result))
     return 0
 
