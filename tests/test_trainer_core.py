@@ -239,6 +239,43 @@ def test_a_restarted_broadcaster_is_told_the_newest_weights_again():
     assert out.ready is not None and (out.ready.version, out.ready.lineage) == (0, "001-a")
 
 
+def _broadcaster_says(version: int) -> m.Heartbeat:
+    return m.Heartbeat(node_id="weights-0", kind="weights", incarnation="i2", pid=1, t=0.0, version=version,
+                       counters={}, gauges={}, hists={})
+
+
+def test_a_broadcaster_whose_heartbeats_stay_behind_the_newest_export_is_sent_it_again():
+    """The resend on peer_restarted is one message; the heartbeats say what the broadcaster holds, so a
+    lost WeightsReady is sent again once they have said the same older version for READY_RESEND_S, and
+    again every READY_RESEND_S until they catch up. Older but moving (training outpacing the beats), no
+    heartbeat since the last resend (a stopped broadcaster), or a relay's heartbeat: nothing."""
+    core = _core()
+    core.on_exported(7, "loc", 10)
+    core.tick(100.0)
+    core.on_hub([_broadcaster_says(6)])
+    assert core.tick(100.5).ready is None  # behind: the wait starts
+    core.on_hub([_broadcaster_says(7)])  # caught up
+    assert core.tick(103.0).ready is None
+    core.on_exported(8, "loc", 10)
+    for t, version in ((103.5, 7), (105.0, 7), (106.0, 7)):  # the same older version, 2.5 s
+        core.on_hub([_broadcaster_says(version)])
+        out = core.tick(t)
+    assert out.ready is not None and out.ready.version == 8
+    assert ("warning", "weights_ready_resent", {"version": 8, "broadcaster_version": 7}) in out.logs
+    assert core.tick(107.0).ready is None and core.tick(108.1).ready is None  # not heard since: stopped?
+    core.on_hub([_broadcaster_says(7)])
+    assert core.tick(108.2).ready.version == 8  # beating, still behind: again, READY_RESEND_S on
+    core.on_exported(20, "loc", 10)
+    for beat in range(10):  # moving, one version a beat for 5 s, and behind all along
+        core.on_hub([_broadcaster_says(9 + beat)])
+        assert core.tick(109.0 + beat / 2).ready is None
+    core.on_exported(9, "loc", 10)
+    relay = m.Heartbeat(node_id="weights-1", kind="weights", incarnation="r", pid=2, t=0.0, version=0,
+                        counters={}, gauges={}, hists={})
+    core.on_hub([_broadcaster_says(9), relay])
+    assert core.tick(120.0).ready is None and core.tick(130.0).ready is None
+
+
 # -- the resume plan --------------------------------------------------------------------------------
 @pytest.fixture
 def spool(tmp_path):

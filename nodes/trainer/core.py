@@ -72,6 +72,17 @@ from areal_bus.version import PolicyVersion
 from nodes.trainer.recovery import Start
 
 
+READY_RESEND_S = 2.0
+"""How long the broadcaster's heartbeats may report one version, older than the trainer's newest export,
+before the trainer sends that export again. The resend on ``peer_restarted`` is one message: should it be
+lost (sent into the pipe of the incarnation that died, say), rollout would stay on the old weights and the
+run would stall. The heartbeat says what the broadcaster holds every HEARTBEAT_INTERVAL_S, so the state is
+checked, not only the event; normally it catches up in milliseconds, and a resend it already has changes
+nothing (an offer not newer than its current version is ignored)."""
+BROADCASTER = "weights-0"
+"""The broadcaster's node id: replica 0 of the weights kind (replicas >= 1 are relays the trainer never
+tells)."""
+
 QUARANTINE_CODES = frozenset({"train_failed", "killed_trainer"})
 """Dead-letter reasons of rows accepted, then found unfit in training (the others were refused on arrival)."""
 
@@ -307,6 +318,10 @@ class TrainerCore:
         meta = spool.meta() if spool is not None and start.recovering else {}
         self.newest = max(start.version, int(meta.get("newest", 0) or 0))
         self.ready: m.WeightsReady | None = None  # the newest export, kept for a broadcaster that restarts
+        self.broadcaster_version: int | None = None  # what the broadcaster's last heartbeat said it holds
+        self.behind_since: float | None = None  # since when it has said the same version, older than self.ready
+        self.broadcaster_beats = 0  # its heartbeats heard: a resend goes only to one that is still beating
+        self.beats_then = 0  # the count when the wait started (or the last resend went)
         # Rows that were in flight when a trainer process died: id -> (trajectory, deaths), trained
         # apart from the queue (next_job's probes) until they train or one is found to kill the trainer.
         self.suspects: dict[str, tuple[m.Trajectory, int]] = {}
@@ -415,12 +430,37 @@ class TrainerCore:
                 out.release += range(max(0, msg.version - 2), msg.version)
             elif isinstance(msg, m.Event) and msg.name == "peer_restarted" and self.ready is not None:
                 out.ready = self.ready
+            elif isinstance(msg, m.Heartbeat) and msg.node_id == BROADCASTER:
+                self.broadcaster_beats += 1
+                if msg.version != self.broadcaster_version:
+                    self.broadcaster_version, self.behind_since = msg.version, None  # it moved: the wait starts anew
         return out
+
+    def _resend_ready(self, now: float) -> Out:
+        """The newest export again when the broadcaster has said the same older version for READY_RESEND_S
+        (each heartbeat carries the version it announces: a lost WeightsReady heals here). While training
+        outpaces the heartbeats the version it says is older but moving: no resend then; nor to a
+        broadcaster not heard since the last decision (stopped or dead: its restart is resent to)."""
+        behind = self.ready is not None and self.broadcaster_version is not None \
+            and self.broadcaster_version < self.ready.version
+        if not behind:
+            self.behind_since = None
+            return Out()
+        if self.behind_since is None:
+            self.behind_since, self.beats_then = now, self.broadcaster_beats
+            return Out()
+        if now - self.behind_since < READY_RESEND_S or self.broadcaster_beats == self.beats_then:
+            return Out()
+        # The next one READY_RESEND_S later, if heartbeats still come and still say behind.
+        self.behind_since, self.beats_then = now, self.broadcaster_beats
+        self.metrics.inc("weights.ready_resent")
+        return Out(ready=self.ready, logs=[("warning", "weights_ready_resent", {
+            "version": self.ready.version, "broadcaster_version": self.broadcaster_version})])
 
     def tick(self, now: float) -> Out:
         """Time passing: commit the spool when due, repeat the run state every heartbeat interval (a lost
         report heals; the bus caches the latest for late joiners)."""
-        out = Out()
+        out = self._resend_ready(now)
         if self.spool is not None and self.spool.due_in(now) == 0:
             out.add(self._accept(self.spool.commit()))
         self.metrics.gauge("queue.buffered", len(self.queue.buffer))
