@@ -14,9 +14,9 @@ sum len^2 x heads x head_dim / 2 per forward, x 2.5 more for backward); and the 
 forward+backward, the same calls queued behind a sleeping kernel (a backend whose host work exceeds its
 device time cannot keep the GPU busy, whatever its kernels' speed).
 
---cprofile N: after the timings, the host's Python profile (cProfile) of N forward+backward calls of each
-backend at the first shape, its 15 costliest functions by own time (stderr): where a backend's host
-time per call goes.
+--cprofile N: after the timings, each backend's host time per forward (N forwards, no gradient, at most
+300, queued behind a sleeping kernel) and their Python profile (cProfile), its 15 costliest functions
+by own time (stderr): where a backend's host time per call goes.
 
 Run (GPU):  python3 bench/attn_varlen.py                 (both shapes, ~1 min)
             python3 bench/attn_varlen.py --shapes 0.5b --cprofile 200
@@ -115,30 +115,42 @@ def run(fn, q, k, v, cu, longest, scale, g):
 
 
 def host_profile(backends, calls: int, inputs) -> None:
-    """cProfile of ``calls`` forward+backward calls per backend, the device kept busy by a sleeping kernel
-    so the host never waits: the 15 functions with the most own time, to stderr."""
+    """Forward calls alone (no gradient), ``calls`` of them queued behind a sleeping kernel so the host
+    never waits for the device (a forward is one or two launches: a few hundred stay far below the
+    launch queue's ~1,000, which a forward+backward loop fills, and then the host blocks). Per backend:
+    the host's ms per forward, timed plain, then cProfile's 15 functions with the most own time (stderr)."""
     import cProfile
     import io
     import pstats
 
+    q, k, v, cu, longest, scale, _ = inputs
+    calls = min(calls, 300)
     for name, fn in backends:
         try:
-            run(fn, *inputs)  # compiled and warm
-            torch.cuda.synchronize()
-            torch.cuda._sleep(int(4e9))
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(calls):
-                run(fn, *inputs)
-            prof.disable()
-            torch.cuda.synchronize()
+            with torch.no_grad():
+                fn(q, k, v, cu, longest, scale)  # compiled and warm
+                torch.cuda.synchronize()
+                torch.cuda._sleep(int(3e9))
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn(q, k, v, cu, longest, scale)
+                plain_ms = (time.perf_counter() - t0) * 1e3 / calls
+                torch.cuda.synchronize()
+                torch.cuda._sleep(int(3e9))
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(calls):
+                    fn(q, k, v, cu, longest, scale)
+                prof.disable()
+                torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001
             print(f"# host profile of {name}: cannot run: {type(exc).__name__}: {exc}", file=sys.stderr)
             continue
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
-        print(f"# host profile of {name}, {calls} forward+backward calls:\n" + "\n".join(
-            line for line in out.getvalue().splitlines() if line.strip()), file=sys.stderr)
+        print(f"# host profile of {name}: {plain_ms:.3f} ms of host per forward ({calls} calls, no profiler); "
+              f"cProfile of the same calls:\n" + "\n".join(
+                  line for line in out.getvalue().splitlines() if line.strip()), file=sys.stderr)
 
 
 def main() -> int:
@@ -148,7 +160,7 @@ def main() -> int:
     ap.add_argument("--check-tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--cprofile", type=int, default=0, help="profile this many calls of each backend's host work")
+    ap.add_argument("--cprofile", type=int, default=0, help="time and profile this many forwards of each backend's host work (<= 300)")
     ap.add_argument("--backends", default=",".join(n for n, _ in BACKENDS))
     args = ap.parse_args()
     backends = [(n, fn) for n, fn in BACKENDS if n in args.backends.split(",")]
