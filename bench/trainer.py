@@ -43,7 +43,8 @@ of every mini-batch but an update's first
 sum len^2 per forward, x3 with backward), all over real (unpadded) tokens; peak 989 TFLOP/s (H100/H200
 dense bf16 datasheet). Printed per shape and path: tokens/s, MFU, seconds per timed update, the first
 update's seconds (compilation), peak memory, loss, and the ratio to the first path that ran. Last line:
-``RESULT ...``. --profile prints each path's torch profile of its first timed update (stderr).
+``RESULT ...``. Each path's process also prints (stderr) its timed updates' seconds, and for ``+fa4``
+how many kernels FlashAttention-4 had compiled after the warm-up and at the end. --profile prints each path's torch profile of its first timed update (stderr).
 
 Run:  mkdir -p /tmp/old && git archive 7adbcb8 areal_bus | tar -x -C /tmp/old
       python3 bench/trainer.py --old-tree /tmp/old                 (one GPU; both shapes, every path, ~6 min)

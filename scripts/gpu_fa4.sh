@@ -11,8 +11,8 @@
 #     PARTS=DIR/p1 bash scripts/gpu_fa4.sh    (stores the part, installs the bus's wheels, runs RUN1 if set)
 #     PARTS=DIR/p2 bash scripts/gpu_fa4.sh    (the tar whole: installs it, then the checks and benches)
 # Knobs (environment): OUT (gpu_logs), RUNS ("0.5b:16384 0.5b:32768"), PATHS (per run), WARMUP (4),
-# STEPS (4), RUN_TIMEOUT (240 s per run of bench/trainer.py), PYTEST (1: the CUDA tests of tests/test_train_model.py), ATTN (1: bench/attn_varlen.py),
-# RUN1 (a command for the first call, while the second part is on its way).
+# STEPS (4), RUN_TIMEOUT (240 s per run of bench/trainer.py), PYTEST (1: the CUDA tests of
+# tests/test_train_model.py), ATTN (1: bench/attn_varlen.py), RUN1 (a command for the first call, while the second part is on its way).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--pack" ]; then
@@ -65,7 +65,8 @@ P=${PATHS:-engine:compute_copy+compile,engine:compute_copy+compile+fa4}
     fi
     for run in ${RUNS:-0.5b:16384 0.5b:32768}; do
         echo "# ${run%%:*}, micro-batches of ${run#*:} tokens"
-        timeout "${RUN_TIMEOUT:-240}" python3 bench/trainer.py $B --shapes "${run%%:*}" --micro-tokens "${run#*:}" --paths "$P" 2>&1 \
+        timeout "${RUN_TIMEOUT:-240}" python3 bench/trainer.py $B --shapes "${run%%:*}" --micro-tokens "${run#*:}" \
+            --paths "$P" 2>&1 \
             | grep -E "^# bench|^[0-9.]+b |RESULT|rror|graph breaks|timed updates"
     done
 } 2>&1 | tee "$OUT/fa4.log"
