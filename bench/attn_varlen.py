@@ -12,7 +12,8 @@ output and gradients against float32 attention computed sample by sample (max ab
 --iters forward+backward passes after --warmup, CUDA events, and the attention FLOPs (causal: 2 x 2 x
 sum len^2 x heads x head_dim / 2 per forward, x 2.5 more for backward); and the host's own time per
 forward+backward, the same calls queued behind a sleeping kernel (a backend whose host work exceeds its
-device time cannot keep the GPU busy, whatever its kernels' speed).
+device time cannot keep the GPU busy, whatever its kernels' speed; keep --iters at a few dozen: more
+forward+backward calls fill the launch queue behind the sleep, and then the host blocks).
 
 --cprofile N: after the timings, each backend's host time per forward (N forwards, no gradient, at most
 300, queued behind a sleeping kernel) and their Python profile (cProfile), its 15 costliest functions
