@@ -436,7 +436,7 @@ class TrainerCore:
                     self.broadcaster_version, self.behind_since = msg.version, None  # it moved: the wait starts anew
         return out
 
-    def _resend_ready(self, now: float) -> Out:
+    def resend_ready(self, now: float) -> Out:
         """The newest export again when the broadcaster has said the same older version for READY_RESEND_S
         (each heartbeat carries the version it announces: a lost WeightsReady heals here). While training
         outpaces the heartbeats the version it says is older but moving: no resend then; nor to a
@@ -460,7 +460,7 @@ class TrainerCore:
     def tick(self, now: float) -> Out:
         """Time passing: commit the spool when due, repeat the run state every heartbeat interval (a lost
         report heals; the bus caches the latest for late joiners)."""
-        out = self._resend_ready(now)
+        out = self.resend_ready(now)
         if self.spool is not None and self.spool.due_in(now) == 0:
             out.add(self._accept(self.spool.commit()))
         self.metrics.gauge("queue.buffered", len(self.queue.buffer))

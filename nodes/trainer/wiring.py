@@ -98,6 +98,8 @@ class TrainerIO:
                     since = time.monotonic()
                 self.poller.poll(5)
                 self.apply(self.core.on_hub(self.hub()))
+                # The buffer frees once the version before commits, which a lost WeightsReady would stop.
+                self.apply(self.core.resend_ready(time.monotonic()))
         self.apply(self.core.on_exported(version, location, nbytes))
 
     def send_ready(self, ready: m.WeightsReady) -> None:
