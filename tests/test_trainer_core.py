@@ -269,10 +269,9 @@ def test_a_broadcaster_whose_heartbeats_stay_behind_the_newest_export_is_sent_it
     for beat in range(10):  # moving, one version a beat for 5 s, and behind all along
         core.on_hub([_broadcaster_says(9 + beat)])
         assert core.tick(109.0 + beat / 2).ready is None
-    core.on_exported(9, "loc", 10)
     relay = m.Heartbeat(node_id="weights-1", kind="weights", incarnation="r", pid=2, t=0.0, version=0,
                         counters={}, gauges={}, hists={})
-    core.on_hub([_broadcaster_says(9), relay])
+    core.on_hub([_broadcaster_says(20), relay])  # caught up; a relay's older version is not the broadcaster's
     assert core.tick(120.0).ready is None and core.tick(130.0).ready is None
 
 

@@ -68,7 +68,7 @@ from areal_bus.constants import GROUP_WAIT_S, HEARTBEAT_INTERVAL_S, SEEN_IDS_MAX
 from areal_bus.metrics import Metrics
 from areal_bus.spool import Spool
 from areal_bus.trajectory_check import check_trajectory, reason_code
-from areal_bus.version import PolicyVersion
+from areal_bus.version import WEIGHTS_KIND, PolicyVersion
 from nodes.trainer.recovery import Start
 
 
@@ -79,7 +79,7 @@ lost (sent into the pipe of the incarnation that died, say), rollout would stay 
 run would stall. The heartbeat says what the broadcaster holds every HEARTBEAT_INTERVAL_S, so the state is
 checked, not only the event; normally it catches up in milliseconds, and a resend it already has changes
 nothing (an offer not newer than its current version is ignored)."""
-BROADCASTER = "weights-0"
+BROADCASTER = f"{WEIGHTS_KIND}-0"
 """The broadcaster's node id: replica 0 of the weights kind (replicas >= 1 are relays the trainer never
 tells)."""
 
