@@ -453,7 +453,7 @@ class TrainerCore:
             return Out()
         # The next one READY_RESEND_S later, if heartbeats still come and still say behind.
         self.behind_since, self.beats_then = now, self.broadcaster_beats
-        self.metrics.inc("weights.ready_resent")
+        self.metrics.inc("weights_ready_resent")
         return Out(ready=self.ready, logs=[("warning", "weights_ready_resent", {
             "version": self.ready.version, "broadcaster_version": self.broadcaster_version})])
 
