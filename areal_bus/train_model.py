@@ -18,9 +18,9 @@ because no library does them for this objective or this use:
   logits are recomputed in backward). On a GPU the per-chunk softmax arithmetic is compiled into one pass
   over the bf16 logits each way, where eager torch made six float32 passes (cast, max, subtract, exp,
   sum, and as many back).
-* FlashAttention-4 as torch operators (``areal_bus::fa4_varlen_fwd``/``_bwd``, for ``VARLEN_FA4``): the
-  flash-attn-4 package declares none, and torch.compile cannot trace its own entry point, so without them a
-  compiled decoder layer would break its graph at every attention.
+* FlashAttention-4 as torch operators (``areal_bus.fa4_ops``, for ``VARLEN_FA4``): the flash-attn-4
+  package declares none, and torch.compile cannot trace its own entry point, so without them a compiled
+  decoder layer would break its graph at every attention.
 * mixed precision: the weights and AdamW's state stay float32 (master weights). At RL learning rates
   (1e-6) an update is far below bfloat16's resolution of a weight, so pure-bf16 training rounds most
   updates away. Compute is bf16 in one of two ways: ``ComputeCopy`` (the default in one process) keeps
@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from areal_bus import fa4_ops  # noqa: F401  (registers areal_bus::fa4_varlen_fwd/_bwd)
 from areal_bus.modeling import as_dtype, logprobs_and_normaliser, scaled_logits
 from areal_bus.packing import Packed
 
@@ -112,60 +113,6 @@ def _cuda_varlen(q, k, v, cu, longest: int, scaling, kernel: str = "fa2"):
         return torch.ops.areal_bus.fa4_varlen_fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu, longest,
                                                   scale)[0]
     return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **_varlen_options())
-
-
-# -- FlashAttention-4 as torch operators ---------------------------------------------------------
-# flash-attn-4's own entry point is an autograd.Function over CuTe DSL launches, which torch.compile
-# cannot trace: inside a compiled decoder layer it would break the graph at every layer. Declared as
-# custom operators (their shapes given for tracing, the backward registered), the compiled layer keeps
-# one graph and calls the kernels as opaque nodes, as it does torch's own varlen_attn. Written here
-# because the package declares none. Causal, grouped key/value heads as they are, one cu for q and k.
-@torch.library.custom_op("areal_bus::fa4_varlen_fwd", mutates_args=(), device_types="cuda",
-                         schema="(Tensor q, Tensor k, Tensor v, Tensor cu, SymInt longest, float scale) "
-                                "-> (Tensor, Tensor)")
-def _fa4_fwd(q, k, v, cu, longest, scale):
-    """(out [N, Hq, D], log-sum-exp [Hq, N] float32) of causal attention within each cu segment."""
-    from flash_attn.cute.interface import _flash_attn_fwd
-
-    out, lse = _flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                               max_seqlen_k=longest, softmax_scale=scale, causal=True, return_lse=True)[:2]
-    return out, lse
-
-
-@_fa4_fwd.register_fake
-def _fa4_fwd_shapes(q, k, v, cu, longest, scale):
-    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-
-
-@torch.library.custom_op("areal_bus::fa4_varlen_bwd", mutates_args=(), device_types="cuda",
-                         schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu, "
-                                "SymInt longest, float scale) -> (Tensor, Tensor, Tensor)")
-def _fa4_bwd(dout, q, k, v, out, lse, cu, longest, scale):
-    from flash_attn.cute.interface import _flash_attn_bwd
-
-    dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout, lse, scale, True, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                                 max_seqlen_q=longest, max_seqlen_k=longest)[:3]
-    return dq, dk, dv
-
-
-@_fa4_bwd.register_fake
-def _fa4_bwd_shapes(dout, q, k, v, out, lse, cu, longest, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _fa4_setup(ctx, inputs, output):
-    q, k, v, cu, longest, scale = inputs
-    ctx.save_for_backward(q, k, v, cu, *output)
-    ctx.longest, ctx.scale = longest, scale
-
-
-def _fa4_backward(ctx, dout, _dlse):
-    q, k, v, cu, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.areal_bus.fa4_varlen_bwd(dout.contiguous(), q, k, v, out, lse, cu, ctx.longest, ctx.scale)
-    return dq, dk, dv, None, None, None
-
-
-_fa4_fwd.register_autograd(_fa4_backward, setup_context=_fa4_setup)
 
 
 def _varlen_attention_fa4(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

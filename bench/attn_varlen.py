@@ -6,9 +6,10 @@ key/value heads repeated to the query's (``repeat``: the engine where torch's ``
 Workload: sample lengths as bench/trainer.py draws them (lognormal, median 500, sigma 0.8, clipped to
 200..3,000) packed into micro-batches of --tokens tokens, at a shape's attention (Qwen2-0.5B: 14 query
 heads, 2 key/value heads, head_dim 64; 1.5B: 12 / 2 / 128), bf16; and FlashAttention-4 (``fa4``: the
-flash-attn-4 package through the trainer's operators; ``fa4c``: the same inside a compiled function), where
-the package is installed. Checked first: each backend's
-output and gradients against float32 attention computed sample by sample (max abs error). Timed:
+flash-attn-4 package through the trainer's operators; ``fa4c``: the same inside a compiled function;
+``fa4w``: ``fa4`` with the package's entry points run whole on every call instead of replayed,
+``areal_bus.launch_replay``), where the package is installed. Checked first: each backend's output and
+gradients against float32 attention computed sample by sample (max abs error). Timed:
 --iters forward+backward passes after --warmup, CUDA events, and the attention FLOPs (causal: 2 x 2 x
 sum len^2 x heads x head_dim / 2 per forward, x 2.5 more for backward); and the host's own time per
 forward+backward, the same calls queued behind a sleeping kernel (a backend whose host work exceeds its
@@ -94,7 +95,15 @@ def fa4_compiled(q, k, v, cu, longest, scale):
 
 
 _COMPILED = None
-BACKENDS = (("repeat", fa2_repeat), ("gqa", fa2_gqa), ("fa4", fa4), ("fa4c", fa4_compiled))
+BACKENDS = (("repeat", fa2_repeat), ("gqa", fa2_gqa), ("fa4", fa4), ("fa4w", fa4), ("fa4c", fa4_compiled))
+
+
+def select(name: str) -> None:
+    """``fa4w``: the FlashAttention-4 operators with flash-attn-4's entry points run whole on every call
+    (``fa4_ops.FA4_REPLAY`` off, forward and backward); every other backend: as the trainer runs them."""
+    if name.startswith("fa4"):
+        _register_fa4()
+        sys.modules["areal_bus.fa4_ops"].FA4_REPLAY = name != "fa4w"
 
 
 def reference(q, k, v, sizes, scale):
@@ -127,6 +136,7 @@ def host_profile(backends, calls: int, inputs) -> None:
     q, k, v, cu, longest, scale, _ = inputs
     calls = min(calls, 300)
     for name, fn in backends:
+        select(name)
         try:
             with torch.no_grad():
                 fn(q, k, v, cu, longest, scale)  # compiled and warm
@@ -186,6 +196,7 @@ def main() -> int:
             if not timed:  # correctness against float32
                 ref = run(lambda q, k, v, *_: reference(q, k, v, sizes, scale), q, k, v, cu, longest, scale, g.float())
                 for name, fn in backends:
+                    select(name)
                     try:
                         got = run(fn, q, k, v, cu, longest, scale, g)
                         errs = [float((a.float() - b).abs().max()) for a, b in zip(got, ref)]
@@ -198,6 +209,7 @@ def main() -> int:
             sq = sum(s * s for s in sizes)
             flops = 2 * 2 * sq * hq * d / 2 * (1 + 2.5)  # causal: half of the square
             for name, fn in backends:
+                select(name)
                 try:
                     for _ in range(args.warmup):
                         run(fn, q, k, v, cu, longest, scale, g)

@@ -28,7 +28,8 @@ the same random float32 weights (a Hugging Face folder written once per shape).
             instead of their gradient kept from the forward), ``+chunk8k`` trainer_engine.logit_chunk_tokens
             8192 (4096 otherwise), ``+padN`` trainer_engine.micro_batch_pad_tokens N, ``+keepN``
             trainer_engine.logit_grad_keep_gib N, ``+fa4`` trainer_engine.attn_implementation
-            areal_varlen_fa4 (FlashAttention-4's kernels; needs the flash-attn-4 package);
+            areal_varlen_fa4 (FlashAttention-4's kernels; needs the flash-attn-4 package), ``+fa4whole``
+            the same with its entry points run whole on every call (areal_bus.fa4_ops.FA4_REPLAY off);
             bench-only tries of inductor's settings with +compile: ``+cppwrap`` (cpp_wrapper), ``+combo``
             (combo_kernels), ``+autotune`` (max_autotune_gemm), ``+noguard`` (after the warm-up,
             torch.compiler.set_stance's skip_guard_eval_unsafe).
@@ -78,6 +79,7 @@ import torch  # noqa: E402
 from areal_bus.loss import decoupled_ppo_loss  # noqa: E402
 from areal_bus.modeling import QWEN2_0_5B, TINY_QWEN2, make_random_model, token_logprobs  # noqa: E402
 from areal_bus.modeling import save_pretrained  # noqa: E402
+from areal_bus.fa4_ops import fa4_replay_stats  # noqa: E402
 from areal_bus.train_model import VARLEN, VARLEN_FA4, train_flops  # noqa: E402
 from areal_bus.packing import mini_batches as split  # noqa: E402
 
@@ -162,17 +164,22 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
     trainer_engine.logit_grad_keep_gib: 0 (the head's logits recomputed in backward), '+chunk8k'
     trainer_engine.logit_chunk_tokens: 8192 (else 4096, the default), '+padN' (e.g. +pad256)
     trainer_engine.micro_batch_pad_tokens N (else --pad-tokens), '+keepN' trainer_engine.logit_grad_keep_gib
-    N (GiB), '+fa4' trainer_engine.attn_implementation areal_varlen_fa4 (else --attn)."""
+    N (GiB), '+fa4' trainer_engine.attn_implementation areal_varlen_fa4 (else --attn), '+fa4whole' the same
+    with fa4_ops.FA4_REPLAY off (set in this process: each path runs in one of its own)."""
     mp, *flags = variant.split("+")
     number = lambda prefix: {f: float(f[len(prefix):]) for f in flags
                              if f.startswith(prefix) and f[len(prefix):].replace(".", "", 1).isdigit()}
     pad_flags, keep_flags = number("pad"), number("keep")
     pads, keeps = [int(n) for n in pad_flags.values()], list(keep_flags.values())
-    known = {"compile", "loglinear", "nokeep", "chunk8k", "fa4", *INDUCTOR_FLAGS, "noguard"}
+    known = {"compile", "loglinear", "nokeep", "chunk8k", "fa4", "fa4whole", *INDUCTOR_FLAGS, "noguard"}
     whole_pads = all(n.is_integer() for n in pad_flags.values())
     if set(flags) - known - set(pad_flags) - set(keep_flags) or len(pads) > 1 or len(keeps) > 1 or not whole_pads:
         raise SystemExit(f"--paths: unknown flag in {variant!r} ({', '.join(sorted(known))}, padN, keepN)")
     keep = 0 if "nokeep" in flags else (keeps[0] if keeps else None)
+    if "fa4whole" in flags:
+        from areal_bus import fa4_ops
+
+        fa4_ops.FA4_REPLAY = False
     prox = "loglinear" if "loglinear" in flags else "recompute"
     # Today's schema's defaults under the fields set here, so a knob added to the engine later reads its
     # default instead of failing here (the old tree's engine reads the explicit ones).
@@ -183,7 +190,7 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
         trainer_engine=SimpleNamespace(**{**TrainerEngineConfig().model_dump(), **dict(
             kl_coef=0.0, ppo_epochs=1, eps_clip=0.2, eps_clip_high=None, behav_imp_weight_cap=5.0, grad_clip=1.0,
             adv_std_normalize=True, adv_leave_one_out=False,
-            attn_implementation=VARLEN_FA4 if "fa4" in flags else args.attn,
+            attn_implementation=VARLEN_FA4 if {"fa4", "fa4whole"} & set(flags) else args.attn,
             micro_batch_tokens=args.micro_tokens, logit_chunk_tokens=8192 if "chunk8k" in flags else 4096,
             micro_batch_pad_tokens=pads[0] if pads else args.pad_tokens, prox_logp_method=prox,
             logit_grad_keep_gib=keep, gradient_checkpointing=args.checkpointing,
@@ -313,7 +320,7 @@ def measure(name: str, cfg: dict, updates, args, device) -> dict:
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     return {"params": n_params, "tokens_per_s": tokens / secs, "mfu": flops / secs / PEAK_BF16,
             "s_per_update": secs / len(times), "first_s": first_s, "peak_gib": peak, "loss": losses[-1],
-            "update_s": [round(t, 3) for t in times], "fa4_kernels": kernels}
+            "update_s": [round(t, 3) for t in times], "fa4_kernels": kernels, "fa4_replay": fa4_replay_stats()}
 
 
 def fa4_kernels() -> int:
@@ -357,7 +364,8 @@ def worker(args, device) -> int:
     if "update_s" in r:
         print(f"# {args.worker}: timed updates (s) {r['update_s']}"
               + (f", FlashAttention-4 kernels compiled after the warm-up / at the end {r['fa4_kernels']}"
-                 if r["fa4_kernels"] else ""), file=sys.stderr)
+                 if r["fa4_kernels"] else "")
+              + (f", FlashAttention-4 calls {r['fa4_replay']}" if r["fa4_replay"] else ""), file=sys.stderr)
     print("WORKER " + json.dumps(r), flush=True)
     return 0
 

@@ -499,6 +499,47 @@ def test_cuda_fa4_attention_matches_fa2_in_the_model_with_its_gradients(tmp_path
         assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a Hopper or newer CUDA device")
+@pytest.mark.parametrize("heads, dim", [((14, 2), 64), ((12, 2), 128), ((8, 8), 64)])
+def test_cuda_fa4_replayed_calls_give_what_whole_calls_give(monkeypatch, heads, dim):
+    """The FlashAttention-4 operators replaying flash-attn-4's launches (``fa4_ops.FA4_REPLAY``) against
+    its entry points run whole: bit for bit the same outputs, log-sum-exps and gradients, over micro-batches
+    of several shapes, each called as the layers of a micro-batch call it (recorded once, then replayed),
+    with and without gradients (the gradients to the backward's own run-to-run noise)."""
+    pytest.importorskip("flash_attn.cute.interface")
+    from areal_bus import fa4_ops
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    rng = np.random.default_rng(3)
+    for lengths in ([500, 300, 1200, 90], [16384 // 32] * 32, list(rng.integers(200, 3000, 12)), [1]):
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=dev)
+        n, longest = int(cu[-1]), int(max(lengths))
+        for layer in range(3):
+            q, k, v = (torch.randn(n, h, dim, generator=g, device=dev, dtype=torch.bfloat16)
+                       for h in (heads[0], heads[1], heads[1]))
+            upstream = torch.randn(n, heads[0], dim, generator=g, device=dev, dtype=torch.bfloat16)
+            results = []
+            for replay in (False, True):
+                monkeypatch.setattr(fa4_ops, "FA4_REPLAY", replay)
+                with torch.no_grad():
+                    plain = torch.ops.areal_bus.fa4_varlen_fwd(q, k, v, cu, longest, dim ** -0.5)
+                leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+                out, lse = torch.ops.areal_bus.fa4_varlen_fwd(*leaves, cu, longest, dim ** -0.5)
+                grads = torch.autograd.grad(out, leaves, upstream)
+                results.append([*plain, out.detach(), lse.detach(), *grads])
+            whole, replayed = results
+            for a, b in zip(whole[:4], replayed[:4]):  # the forward is deterministic
+                assert torch.equal(a, b), (lengths[:4], layer)
+            for a, b in zip(whole[4:], replayed[4:]):  # the backward adds into float32 in no fixed order
+                torch.testing.assert_close(b, a, atol=2e-3, rtol=1e-2)
+    stats = fa4_ops.fa4_replay_stats()
+    assert stats["refused"] == 0, fa4_ops._FA4_LAUNCHES.last_refusal
+    assert stats["replayed"] >= 4 * 3  # at least every shape's third layer, three kinds of call
+
+
 def test_a_padded_micro_batch_has_the_same_log_probabilities_and_loss(tmp_path):
     _save_random("qwen2", tmp_path / "m")
     model = load_policy(tmp_path / "m")
