@@ -32,7 +32,8 @@ the same random float32 weights (a Hugging Face folder written once per shape).
             the same with its entry points run whole on every call (areal_bus.fa4_ops.FA4_REPLAY off);
             bench-only tries of inductor's settings with +compile: ``+cppwrap`` (cpp_wrapper), ``+combo``
             (combo_kernels), ``+autotune`` (max_autotune_gemm), ``+noguard`` (after the warm-up,
-            torch.compiler.set_stance's skip_guard_eval_unsafe).
+            torch.compiler.set_stance's skip_guard_eval_unsafe), ``+gcfreeze`` (after the warm-up,
+            gc.collect() and gc.freeze(): what the warm-up made left out of later collections).
             Micro-batches are padded as the engine does (--pad-tokens: micro_batch_pad_tokens).
 
 FLOPs (for MFU): 6 N per token (forward + backward, N = parameters with the tied embedding once as the
@@ -59,6 +60,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import math
 import os
@@ -171,7 +173,7 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
                              if f.startswith(prefix) and f[len(prefix):].replace(".", "", 1).isdigit()}
     pad_flags, keep_flags = number("pad"), number("keep")
     pads, keeps = [int(n) for n in pad_flags.values()], list(keep_flags.values())
-    known = {"compile", "loglinear", "nokeep", "chunk8k", "fa4", "fa4whole", *INDUCTOR_FLAGS, "noguard"}
+    known = {"compile", "loglinear", "nokeep", "chunk8k", "fa4", "fa4whole", *INDUCTOR_FLAGS, "noguard", "gcfreeze"}
     whole_pads = all(n.is_integer() for n in pad_flags.values())
     if set(flags) - known - set(pad_flags) - set(keep_flags) or len(pads) > 1 or len(keeps) > 1 or not whole_pads:
         raise SystemExit(f"--paths: unknown flag in {variant!r} ({', '.join(sorted(known))}, padN, keepN)")
@@ -261,10 +263,16 @@ def measure(name: str, cfg: dict, updates, args, device) -> dict:
     times, losses = [], []
     first_s = None
     kernels = []  # FlashAttention-4's compiled kernels in this process, after the warm-up and at the end
+    pauses = GcPauses()
     for i, samples in enumerate(updates):
         prof = None
         if i == args.warmup and "+fa4" in name:
             kernels.append(fa4_kernels())
+        if i == args.warmup and "+gcfreeze" in name:  # what the warm-up made (compiled code) out of the collector's way
+            gc.collect()
+            gc.freeze()
+        if i == args.warmup:
+            gc.callbacks.append(pauses.observe)
         if i == args.warmup and "+noguard" in name:  # the warm-up compiled every graph: differentiating guards only
             torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
         if args.profile and i == args.warmup:
@@ -320,7 +328,26 @@ def measure(name: str, cfg: dict, updates, args, device) -> dict:
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     return {"params": n_params, "tokens_per_s": tokens / secs, "mfu": flops / secs / PEAK_BF16,
             "s_per_update": secs / len(times), "first_s": first_s, "peak_gib": peak, "loss": losses[-1],
-            "update_s": [round(t, 3) for t in times], "fa4_kernels": kernels, "fa4_replay": fa4_replay_stats()}
+            "update_s": [round(t, 3) for t in times], "fa4_kernels": kernels, "fa4_replay": fa4_replay_stats(),
+            "gc": pauses.summary()}
+
+
+class GcPauses:
+    """Python's garbage collections during the timed updates: how many of each generation and their
+    seconds (a full collection over torch.compile's and the CuTe DSL's millions of objects is long)."""
+
+    def __init__(self):
+        self.count, self.secs, self.t0 = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+
+    def observe(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.t0 = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.secs[info["generation"]] += time.perf_counter() - self.t0
+
+    def summary(self) -> str:
+        return " ".join(f"gen{g} {n}x {s:.3f}s" for g, (n, s) in enumerate(zip(self.count, self.secs)))
 
 
 def fa4_kernels() -> int:
@@ -365,7 +392,8 @@ def worker(args, device) -> int:
         print(f"# {args.worker}: timed updates (s) {r['update_s']}"
               + (f", FlashAttention-4 kernels compiled after the warm-up / at the end {r['fa4_kernels']}"
                  if r["fa4_kernels"] else "")
-              + (f", FlashAttention-4 calls {r['fa4_replay']}" if r["fa4_replay"] else ""), file=sys.stderr)
+              + (f", FlashAttention-4 calls {r['fa4_replay']}" if r["fa4_replay"] else "")
+              + f", garbage collections {r['gc']}", file=sys.stderr)
     print("WORKER " + json.dumps(r), flush=True)
     return 0
 
