@@ -258,8 +258,13 @@ class LaunchReplay:
 
     def __call__(self, key, inputs: Sequence[torch.Tensor | None], run: Callable[[], tuple]) -> tuple:
         """``run()`` makes the library's call on ``inputs`` and returns a tuple of tensors (or None). Equal
-        keys must mean equal host decisions: the caller puts in the key every fact they rest on."""
+        keys must mean equal host decisions: the caller puts in the key every fact they rest on (which
+        inputs share a storage is added here)."""
         inputs = [t.detach() if t is not None and t.requires_grad else t for t in inputs]
+        # Which inputs share a storage is part of the key: a record places a view it cannot match to an
+        # input's own view on the first input of its storage, which holds only where the sharing is the same.
+        ptrs = [None if t is None else _storage(t) for t in inputs]
+        key = (key, tuple(ptrs.index(p) for p in ptrs))
         if key in self.records:
             record = self.records[key]
             self.records.move_to_end(key)

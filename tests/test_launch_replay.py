@@ -48,7 +48,7 @@ def _make_library():
     def pre():
         pass
 
-    def attention(x, w, scale, *, clone_input=False, aux_tensor=False):
+    def attention(x, w, scale, *, clone_input=False, aux_tensor=False, w_row=False):
         lib.selections.append(tuple(x.shape))  # the per-call host work a replay skips
         key = (x.dtype, x.shape[-1])
         acc = torch.zeros(x.shape[0], dtype=torch.float32)  # accumulated into: must start at zero
@@ -65,7 +65,7 @@ def _make_library():
         if kernel is None:
             kernel = Kernel(_main_body)
             attention.compile_cache[key] = kernel
-        kernel(x.detach(), w, acc, out, ws, scale, Aux((w,) if aux_tensor else None, (scale,)))
+        kernel(x.detach(), w.view(1, -1) if w_row else w, acc, out, ws, scale, Aux((w,) if aux_tensor else None, (scale,)))
         return out, acc
 
     pre.compile_cache = {}
@@ -168,3 +168,27 @@ def test_replay_works_inside_a_custom_operator_of_a_compiled_function():
         x = torch.randn(12, 6)
         torch.testing.assert_close(f(x, w), _expected(x, w, 0.25)[0] + 1)
     assert _TOY_REPLAY.stats["replayed"] >= 2 and _TOY_REPLAY.stats["refused"] == 0
+
+
+def test_inputs_sharing_a_storage_are_recorded_apart_from_inputs_that_do_not():
+    """The kernel gets a view of w that is not w's own (a row): where w and x share a storage, the record
+    places it on that storage's first input, x. Replayed on inputs that share nothing, that would read x's
+    storage past its end: the sharing is part of the key, so such a call is recorded anew."""
+    lib = _make_library()
+    replay = LaunchReplay(compile_cache_owners([lib]))
+
+    def shared():
+        buf = torch.randn(66)
+        return buf[:60].view(10, 6), buf[60:]
+
+    def apart():
+        return torch.randn(10, 6), torch.randn(6)
+
+    for make in (shared, shared, shared, apart, apart, shared, apart):
+        x, w = make()
+        out, acc = _call(replay, lib, x, w, 0.5, w_row=True)
+        want_out, want_acc = _expected(x, w, 0.5)
+        torch.testing.assert_close(out, want_out)
+        torch.testing.assert_close(acc, want_acc)
+    # shared: compiles, records, replays; apart: records, replays; then one replay each
+    assert replay.stats == {"recorded": 2, "replayed": 4, "whole": 3, "refused": 0}
