@@ -1,10 +1,11 @@
 """Replaying a kernel library's launches without its per-call host work.
 
 flash-attn-4's entry points (``_flash_attn_fwd``, ``_flash_attn_bwd``: CuTe DSL kernels behind tvm-ffi) select
-a configuration, validate every argument, build a compile key and an argument list on every call: about
-0.5 ms of host time for a forward on an H100, where torch's FlashAttention-2 takes 0.1 ms. The trainer
-calls attention ~384 times per update (24 layers x 10 forwards and 6 backwards at the 0.5B shape) and its
-update has no host time to spare, so FlashAttention-4's faster kernels made the forwards host-bound
+a configuration, validate every argument, build a compile key and an argument list on every call: 0.22 ms
+of host time per forward on an H100 through the trainer's operator, where torch's FlashAttention-2 takes
+0.14 ms (0.06 ms replayed; bench/RESULTS.md). The trainer calls attention ~384 times per update (24
+layers x 10 forwards and 6 backwards at the 0.5B shape) and its update has no host time to spare, so
+FlashAttention-4's faster kernels made the forwards host-bound
 (bench/RESULTS.md, "Why FlashAttention-4 does not pay in every process"). Yet within one micro-batch all
 24 layers call attention with the same shapes, lengths and scalars: the host's decisions are the same.
 
