@@ -198,7 +198,9 @@ def test_poisoned_trajectories_injected_into_a_torch_run_are_rejected_and_the_ru
     try:
         system.start()
         wait_until(system.all_running, 120, "every process RUNNING")
-        wait_until(lambda: len(system.train_steps()) >= 1, 180, "the first update")
+        # Sent as soon as the nodes run, the socket kept open to the end: a run of six small updates can be
+        # over within a second of its first (a trainer that starts late finds them queued), and poison sent
+        # after the first update, its socket closed at once, once arrived after the last.
         ctx = zmq.Context()
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 2000)
@@ -207,13 +209,14 @@ def test_poisoned_trajectories_injected_into_a_torch_run_are_rejected_and_the_ru
             enc = Encoder("poisoner/test")
             for traj in (_poison("poison-vocab", ids=(5, 10**4, 7)), _poison("poison-misaligned", logprobs=2)):
                 push.send_multipart(enc.encode(traj))
+            wait_until(lambda: len(system.train_steps()) >= 1, 180, "the first update")
+            try:
+                rc = system.proc.wait(300)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"the run did not finish:\n{system.tail('train.log')}") from None
         finally:
             push.close()
             ctx.term()
-        try:
-            rc = system.proc.wait(300)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the run did not finish:\n{system.tail('train.log')}") from None
         assert rc == 0, system.tail("supervisord.log")
         trainer_log = system.tail("train.log", 60)
         rejected = {i for r in read(system.logs / "ledger" / "trainer-0.jsonl")[0] if r.get("ev") == "rejected"
