@@ -204,6 +204,7 @@ def test_poisoned_trajectories_injected_into_a_torch_run_are_rejected_and_the_ru
         ctx = zmq.Context()
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 2000)
+        push.setsockopt(zmq.RECONNECT_IVL, 10)  # connected within 10 ms of the trainer's bind, not 100
         try:
             push.connect(system.topo.endpoint("train"))
             enc = Encoder("poisoner/test")
