@@ -10,7 +10,7 @@
 # There, one call per part, each carrying it (the machine keeps /tmp while warm):
 #     PARTS=DIR/p1 bash scripts/gpu_fa4.sh    (stores the part, installs the bus's wheels, runs RUN1 if set)
 #     PARTS=DIR/p2 bash scripts/gpu_fa4.sh    (the tar whole: installs it, then the checks and benches)
-# Knobs (environment): OUT (gpu_logs), RUNS ("0.5b:16384 0.5b:32768"), PATHS (per run), WARMUP (4),
+# Knobs (environment): OUT (gpu_logs), RUNS ("0.5b:16384 0.5b:32768 1.5b:16384"), PATHS (per run), WARMUP (4),
 # STEPS (4), RUN_TIMEOUT (240 s per run of bench/trainer.py), PYTEST (1: the CUDA tests of
 # tests/test_train_model.py), ATTN (1: bench/attn_varlen.py), RUN1 (a command for the first call, while the second part is on its way).
 set -uo pipefail
@@ -63,7 +63,7 @@ P=${PATHS:-engine:compute_copy+compile,engine:compute_copy+compile+fa4}
         timeout 240 python3 -m pytest -q --noconftest -p no:cacheprovider -rs -m gpu tests/test_train_model.py 2>&1 \
             | tail -n 15
     fi
-    for run in ${RUNS:-0.5b:16384 0.5b:32768}; do
+    for run in ${RUNS:-0.5b:16384 0.5b:32768 1.5b:16384}; do
         echo "# ${run%%:*}, micro-batches of ${run#*:} tokens"
         timeout "${RUN_TIMEOUT:-240}" python3 bench/trainer.py $B --shapes "${run%%:*}" --micro-tokens "${run#*:}" \
             --paths "$P" 2>&1 \
