@@ -69,11 +69,12 @@ def fa2_gqa(q, k, v, cu, longest, scale):
     return _varlen(q, k, v, cu, longest, scale, **extra)
 
 
-def _register_fa4() -> None:
-    """Import the trainer's module (it registers the operators) once, not on every timed call."""
-    if "areal_bus.train_model" not in sys.modules:
+def _register_fa4():
+    """areal_bus.fa4_ops (importing it registers the operators), imported once, not on every timed call."""
+    if "areal_bus.fa4_ops" not in sys.modules:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        import areal_bus.train_model  # noqa: F401
+        import areal_bus.fa4_ops  # noqa: F401
+    return sys.modules["areal_bus.fa4_ops"]
 
 
 def fa4(q, k, v, cu, longest, scale):
@@ -102,8 +103,7 @@ def select(name: str) -> None:
     """``fa4w``: the FlashAttention-4 operators with flash-attn-4's entry points run whole on every call
     (``fa4_ops.FA4_REPLAY`` off, forward and backward); every other backend: as the trainer runs them."""
     if name.startswith("fa4"):
-        _register_fa4()
-        sys.modules["areal_bus.fa4_ops"].FA4_REPLAY = name != "fa4w"
+        _register_fa4().FA4_REPLAY = name != "fa4w"
 
 
 def reference(q, k, v, sizes, scale):
