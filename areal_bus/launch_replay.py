@@ -26,6 +26,11 @@ A record is kept only where the whole call is visible:
 * every tensor argument must be an input or something the call allocated; containers holding tensors are
   refused.
 
+Every other argument is replayed as the recording call passed it, so whatever the host decisions rest on
+must be in the key. The CUDA stream is not among the arguments for flash-attn-4 (4.0.0b40): its kernels
+are compiled with tvm-ffi's environment stream and take torch's current stream at each launch, replayed
+or not. A library that passed its stream as an argument would need the stream in the key.
+
 What the record holds is descriptions, never the recording call's tensors (a record must not keep a
 micro-batch's activations alive). Records are kept for the last ``capacity`` keys. Not thread-safe: the
 compile caches are swapped while a call records (the trainer calls attention from one thread).
