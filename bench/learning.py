@@ -193,6 +193,10 @@ def main() -> int:
     p.add_argument("--save", type=Path, default=None, help="write each run's curve and summary as JSON here")
     p.add_argument("--combine", type=Path, nargs="+", default=None,
                    help="run nothing: the seeds' summary over --save folders of earlier invocations")
+    p.add_argument("--window-from", type=int, default=None, metavar="SAMPLES",
+                   help="the seeds' summary also averages async - sync over sync's evaluations from this many "
+                        "trained samples on (default: from half the samples compared), e.g. the plateau of "
+                        "longer runs, where one run's lead or lag on the rise no longer counts")
     p.add_argument("--via", choices=("bus", "gateway"), default="bus",
                    help="how the agent reaches the policy (the default topology uses the gateway; 'bus' "
                         "skips the HTTP layer, which on 2 cores costs a third of the throughput)")
@@ -200,7 +204,7 @@ def main() -> int:
     if args.parallel < 1:
         p.error("--parallel: at least 1")
     if args.combine:
-        return report(load_pairs(args.combine))
+        return report(load_pairs(args.combine), args.window_from)
     if not (args.model / "config.json").exists():
         print(f"no model at {args.model}: run `python scripts/warmstart.py --out {args.model}` first", file=sys.stderr)
         return 2
@@ -318,15 +322,16 @@ def repeated(args, base: dict, seeds: list[int]) -> int:
         print(f"failed, and their seeds left out of the comparison: {' '.join(failed)}", flush=True)
     if not whole:
         return 1
-    report(whole)
+    report(whole, args.window_from)
     return 1 if failed else 0
 
 
-def report(pairs: dict[int, dict]) -> int:
+def report(pairs: dict[int, dict], window_from: int | None = None) -> int:
     """Each run's final and last-three metric, wall time and samples; per mode the mean and standard
     deviation over seeds; per seed async - sync at equal samples (sync's metric against async's at the
-    same count of trained samples, where async trained fewer) and the wall time async took to first
-    reach sync's final last-three mean."""
+    same count of trained samples, where async trained fewer), the same averaged over sync's evaluations
+    from ``window_from`` samples on (default: half the samples compared), and the wall time async took to
+    first reach sync's final last-three mean."""
     import statistics
 
     rows = {"async": [], "sync": []}
@@ -342,8 +347,9 @@ def report(pairs: dict[int, dict]) -> int:
         a, s = ([tuple(x) for x in pair[m]["points"]] for m in ("async", "sync"))
         n = min(a[-1][0], s[-1][0])
         gaps.append(at_samples(a, n) - at_samples(s, n))
-        # The same over every sync evaluation from half those samples on: one evaluation's noise averaged out.
-        later = [(done, v) for done, v in s if n / 2 <= done <= n] or [(n, at_samples(s, n))]  # evals too sparse
+        # The same over every sync evaluation in the window: one evaluation's noise averaged out.
+        lo = n / 2 if window_from is None else window_from
+        later = [(done, v) for done, v in s if lo <= done <= n] or [(n, at_samples(s, n))]  # evals too sparse
         late_gaps.append(sum(at_samples(a, done) - v for done, v in later) / len(later))
         sync_curve = pair["sync"]["curve"]
         for key, target in (("last3", rows["sync"][-1][1]), ("final", sync_curve[-1][2])):
@@ -362,7 +368,8 @@ def report(pairs: dict[int, dict]) -> int:
     se = lambda xs: sd(xs) / len(xs) ** 0.5  # noqa: E731
     print(f"async - sync at equal samples, per seed: {' '.join(f'{g:+.3f}' for g in gaps)}; mean "
           f"{statistics.mean(gaps):+.3f} (sd over seeds {sd(gaps):.3f}, standard error {se(gaps):.3f})")
-    print(f"async - sync at equal samples, mean over sync's evaluations from half its samples, per seed: "
+    window = "half its samples" if window_from is None else f"{window_from} samples"
+    print(f"async - sync at equal samples, mean over sync's evaluations from {window}, per seed: "
           f"{' '.join(f'{g:+.3f}' for g in late_gaps)}; mean {statistics.mean(late_gaps):+.3f} "
           f"(sd over seeds {sd(late_gaps):.3f}, standard error {se(late_gaps):.3f})")
     for key, label in (("last3", "final last-3 mean"), ("final", "final evaluation")):

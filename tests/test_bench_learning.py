@@ -25,3 +25,22 @@ def test_combine_prints_each_seeds_gap_at_equal_samples_and_the_standard_error_o
            "standard error 0.022)" in out.stdout, out.stdout
     result = out.stdout.splitlines()[-1]
     assert result.startswith("RESULT ") and "equal_samples_gap_mean=+0.052 equal_samples_gap_se=0.022" in result
+
+
+def test_combine_averages_the_gap_over_syncs_evaluations_from_the_window_given(tmp_path):
+    for seed in (3, 7):
+        for mode, stem in (("async", "ltn-in_order-async"), ("sync", "ltn-sync")):
+            (tmp_path / f"{mode}-seed{seed}.json").write_bytes(gzip.decompress((RUNS / f"{stem}-seed{seed}.json.gz")
+                                                                              .read_bytes()))
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "learning.py"), "--combine", str(tmp_path),
+                          "--window-from", "4096"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    # sync's evaluations at 4,096 and 5,120 samples, async interpolated there: seed 3 -0.032 and +0.030,
+    # seed 7 +0.136 and +0.075 (the default window, from half of 5,120, adds the evaluation at 3,072:
+    # -0.024 +0.105); a window from 5,120 leaves only the last
+    assert "mean over sync's evaluations from 4096 samples, per seed: -0.001 +0.106; mean +0.052" in out.stdout, \
+        out.stdout
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "learning.py"), "--combine", str(tmp_path),
+                          "--window-from", "5120"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert "mean over sync's evaluations from 5120 samples, per seed: +0.030 +0.075; mean +0.052" in out.stdout, \
+        out.stdout
