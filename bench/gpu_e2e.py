@@ -28,14 +28,16 @@ batch (rollout_batch-*.jsonl, a record every 0.5 s) is summarised over that same
 max running sequences and the share of time below half of max_batch; "gen tok/s idle/train" is the
 rollout workers' finished-token rate while the trainer waits and while an update runs (where the first
 is the engine's full-batch rate and the trainer is mostly idle, rollout bounds the run; a second well
-below the first is the two contending for the device).
+below the first is the two contending for the device). Under each run's row, the running batch over the
+same window, one character per sixtieth of it (fewer where it holds fewer samples; ▁ under 1/8 of max_batch .. █ from 7/8 on), with a ^ where
+an update ended: a synchronous run drains to ▁ before every ^, an asynchronous one should not.
 
 Run:  python3 bench/gpu_e2e.py                    (on the GPU machine: guess at 0.5B, ~2-4 min)
       bash scripts/gpu_headline.sh                (issue 15's table: longtail at 0.5B, both policies)
       bash scripts/gpu_vllm.sh python3 bench/gpu_e2e.py --engine vllm      (vLLM installed by that script)
       python3 bench/gpu_e2e.py --device cuda:0 --trainer-device cuda:1   (two GPUs: rollout and trainer apart)
       .venv/bin/python bench/gpu_e2e.py --shape tiny --device cpu --steps 4 --skip 1   (a CPU smoke run)
-      .venv/bin/python bench/gpu_e2e.py --shape tiny --device cpu --workload longtail --batch 8 --steps 4 \\
+      .venv/bin/python bench/gpu_e2e.py --shape tiny --device cpu --workload longtail --batch 16 --steps 4 \\
           --skip 1 --median 24 --min-len 8 --max-len 96 --runs async:2:true async:2:false sync
 
 The last line is ``RESULT workload=... engine=... <run>_sps=... <run>_ratio=... ...``.
@@ -183,6 +185,7 @@ class Summary:
     trained: int
     gen_idle: float  # rollout tokens/s while the trainer waits
     gen_train: float  # rollout tokens/s while an update runs (the two share the GPU)
+    timeline: tuple[str, str] = ("", "")  # batch_timeline: the running batch over the window, update ends
 
 
 def counted_steps(records: list[dict], skip: int) -> tuple[list[dict], float]:
@@ -203,6 +206,34 @@ def batch_summary(series: dict[str, list[dict]], t0: float, t1: float) -> tuple[
     running = [r["running"] for r in recs]
     below = sum(r["running"] < r["max_batch"] / 2 for r in recs) / len(recs)
     return f"{min(running)}/{statistics.median(running):g}/{max(running)} of {recs[0]['max_batch']}", below
+
+
+LEVELS = "▁▂▃▄▅▆▇█"
+
+
+def batch_timeline(series: dict[str, list[dict]], t0: float, t1: float, ends: list[float] = (),
+                   cells: int = 60) -> tuple[str, str]:
+    """The running batch over [t0, t1] as at most ``cells`` characters (no more than one worker's samples
+    there), each the mean share of max_batch running in its slice of time (every worker's samples pooled):
+    ▁ under 1/8 of max_batch .. █ from 7/8 on, '.' a slice without a sample. And a line under it with '^'
+    at the slices where an update ended (``ends``): how empty rollout runs in the tail, and whether it
+    empties before each update (synchronous) or not."""
+    cells = max(1, min(cells, max((sum(t0 <= r["t"] <= t1 for r in recs) for recs in series.values()), default=1)))
+    width = (t1 - t0) / cells if t1 > t0 else 0.0
+    sums, counts = [0.0] * cells, [0] * cells
+    for recs in series.values():
+        for r in recs:
+            if t0 <= r["t"] <= t1 and width > 0:
+                i = min(cells - 1, int((r["t"] - t0) / width))
+                sums[i] += r["running"] / r["max_batch"]
+                counts[i] += 1
+    line = "".join(LEVELS[min(len(LEVELS) - 1, int(sums[i] / counts[i] * len(LEVELS)))] if counts[i] else "."
+                   for i in range(cells))
+    marks = [" "] * cells
+    for t in ends:
+        if t0 <= t <= t1 and width > 0:
+            marks[min(cells - 1, int((t - t0) / width))] = "^"
+    return line, "".join(marks).rstrip()
 
 
 def generation_split(series: dict[str, list[dict]], counted: list[dict], t0: float, t1: float) -> tuple[float, float]:
@@ -238,7 +269,8 @@ def summarise(logs, skip: int) -> Summary:
     steps = [r for r in logs.records if r["step"] >= 0]
     batch, below = batch_summary(logs.batch, t0, t1)
     gen_idle, gen_train = generation_split(logs.batch, counted, t0, t1)
-    return Summary(gen_idle=gen_idle, gen_train=gen_train, sps=samples / span, tps=generated / span, samples=samples, span=span,
+    timeline = batch_timeline(logs.batch, t0, t1, [r["t_end"] for r in counted])
+    return Summary(gen_idle=gen_idle, gen_train=gen_train, timeline=timeline, sps=samples / span, tps=generated / span, samples=samples, span=span,
                    busy=sum(r["train_s"] for r in counted) / span, batch=batch, below_half=below,
                    staleness=dict(sorted(hist.items())), dropped=max((r.get("stale_dropped", 0) for r in steps), default=0),
                    over_bound=sum(r.get("over_bound", 0) for r in steps), trained=sum(r["samples"] for r in steps))
@@ -328,6 +360,9 @@ def bench(args, runs: list[Run], work: Path) -> int:
               f"{f'{s.gen_idle:.0f}/{s.gen_train:.0f}':>20s}  "
               f"{' '.join(f'{k}:{v}' for k, v in s.staleness.items())}   ({s.samples} samples in {s.span:.1f} s; "
               f"wall {logs.wall:.0f} s incl. start, {time.monotonic() - t0:.0f} s)", flush=True)
+        line, marks = s.timeline
+        print(f"{'':23s} running batch over those {s.span:.1f} s ({len(line)} slices, ▁ < 1/8 of max_batch, "
+              f"█ >= 7/8; ^ an update ended):\n{'':23s} |{line}|\n{'':23s}  {marks}", flush=True)
     sync = next((v for r, v in results.items() if r.mode == "sync"), None)
     fields = [f"workload={args.workload}", f"shape={args.shape}", f"engine={args.engine}"]
     for run, s in results.items():

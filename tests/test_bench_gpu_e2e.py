@@ -1,0 +1,45 @@
+"""bench/gpu_e2e.py: the running batch over time (``batch_timeline``), and the bench's CPU smoke run, which
+starts the whole system under supervisord for each mode and prints the table with it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.gpu_e2e import batch_timeline  # noqa: E402
+
+
+def test_timeline_is_the_mean_share_of_max_batch_per_slice_with_the_updates_marked():
+    # two workers of max_batch 8, a sample each per second over 0..7 s: full, then draining, then empty
+    running = [8, 8, 6, 4, 2, 0, 0, 0]
+    series = {w: [{"t": float(t), "running": n, "max_batch": 8} for t, n in enumerate(running)] for w in "ab"}
+    line, marks = batch_timeline(series, 0.0, 8.0, ends=[1.5, 5.2, 9.0], cells=8)
+    assert line == "██▇▅▃▁▁▁"  # 6/8 is level 6 of 0..7 (▇); 2/8 level 2 (▃); 0 the lowest
+    assert marks == " ^   ^"  # the end at 9.0 s is outside the window
+    # a window with more slices asked than samples gets one slice per sample; a slice with none is '.'
+    line, _ = batch_timeline(series, 0.0, 8.0, cells=60)
+    assert len(line) == 8
+    gappy = {"a": [{"t": 0.0, "running": 8, "max_batch": 8}, {"t": 7.9, "running": 0, "max_batch": 8}]}
+    assert batch_timeline(gappy, 0.0, 8.0, cells=2)[0] == "█▁"
+    sparse = {"a": gappy["a"] + [{"t": 7.95, "running": 0, "max_batch": 8}, {"t": 7.99, "running": 0, "max_batch": 8}]}
+    assert batch_timeline(sparse, 0.0, 8.0, cells=3)[0] == "█.▁"
+
+
+def test_the_cpu_smoke_run_prints_each_runs_row_and_its_running_batch_over_time():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_e2e.py"), "--shape", "tiny", "--device", "cpu",
+                          "--workload", "longtail", "--batch", "16", "--steps", "3", "--skip", "1", "--median", "24",
+                          "--min-len", "8", "--max-len", "96", "--runs", "sync", "async:2:true"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    for label in ("sync", "async s2 drop"):
+        row = next(i for i, x in enumerate(lines) if x.startswith(label + " "))
+        assert "running batch over those" in lines[row + 1], out.stdout
+        bar = lines[row + 2].strip()
+        assert bar.startswith("|") and bar.endswith("|") and set(bar[1:-1]) <= set("▁▂▃▄▅▆▇█."), out.stdout
+        assert "^" in lines[row + 3], out.stdout  # the counted updates' ends
+    assert lines[-1].startswith("RESULT ") and "async_s2_drop_ratio=" in lines[-1]
