@@ -226,6 +226,11 @@ class RolloutEngineConfig(_Strict):
     temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature for training episodes.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass for training episodes.")
     max_batch: int = Field(16, ge=1, le=4096, description="Sequences one worker decodes at once (continuous batching).")
+    decode_attention: Literal["sdpa", "matmul", "flash_varlen"] = Field(
+        "sdpa", description="torch on CUDA: the decode step's attention. 'sdpa' reads every running row's "
+        "cache up to the longest one's length bucket (masked); 'flash_varlen' (bfloat16/float16) reads each "
+        "row's own length with FlashAttention-2's varlen kernel, torch's own build: on long-tailed outputs "
+        "most rows are far shorter than the longest; 'matmul' two batched matmuls (a reference).")
     decode_step_s: float = Field(0.001, ge=0, le=10, description="sim: time of one decode step at batch 1. "
                                  "Memory-bound GPU decode is nearly flat in batch size.")
     decode_step_per_seq_s: float = Field(0.00001, ge=0, le=1, description="sim: extra step time per sequence in the batch.")
@@ -475,6 +480,11 @@ class Topology(_Strict):
         if self.rollout_engine.kind == "vllm" and not re.fullmatch(r"cuda(:0)?", self.model.device):
             raise ValueError(f"rollout_engine.kind 'vllm' runs on the first GPU the process sees: model.device "
                              f"must be 'cuda' (choose the GPU with CUDA_VISIBLE_DEVICES), got {self.model.device!r}")
+        if (self.rollout_engine.decode_attention == "flash_varlen" and self.rollout_engine.kind == "torch"
+                and self.model.device.startswith("cuda") and self.model.dtype not in ("bfloat16", "float16")):
+            raise ValueError(f"rollout_engine.decode_attention 'flash_varlen' runs FlashAttention, which takes "
+                             f"bfloat16 or float16: set model.dtype to one of them (got {self.model.dtype!r}), or "
+                             f"decode_attention 'sdpa'")
         if (self.agent.framework == "sim") != (self.rollout_engine.kind == "sim"):
             raise ValueError("agent.framework 'sim' goes with the sim engines, a real task with the torch engines")
         if self.agent.via == "gateway" and (self.replicas("gateway") < 1 or self.agent.framework == "sim"):

@@ -10,14 +10,20 @@ new tokens each (no EOS stop), greedy. Rows, each after one warm-up run of the s
   engine          TorchRolloutEngine: static cache, decode steps replayed as CUDA graphs (the default
                   on CUDA); "cold s" is its warm-up run, graph captures included
   engine T=1      the same at temperature 1 (batched sampling on the device)
-  engine matmul   the same with attention as two batched matmuls instead of SDPA (--variants)
+  engine matmul   the same with attention as two batched matmuls instead of SDPA (--variants; also
+                  "engine flash_varlen": FlashAttention-2's varlen kernel over each row's own length,
+                  rollout_engine.decode_attention)
   engine eager    the static-cache step without graphs (--variants)
   engine gather   the older path: a per-step gather of each slot's cache (--variants)
 
 tokens/s = batch x new tokens / wall time from the first add_request (or the generate call) to the
-last completion, prefill included. Then the logprob check: 8 prompts sampled at temperature 1 for
-``--new`` tokens; the logprobs the engine recorded vs ``modeling.token_logprobs`` of prompt + output
-(the trainer's recompute, bf16) and vs transformers' full forward; the gather path's gap beside it.
+last completion, prefill included. ``--longtail``: each row's new tokens drawn instead (lognormal, median
+500, sigma 0.8, clipped 200..3,000 and seeded, as the headline's workload; no HF row), so the batch
+drains as rows finish and the longest rows set the length bucket: where the decode attention's cost per
+row (the bucket's length, or the row's own) shows; tokens/s counts the tokens drawn. Then the logprob
+check: 8 prompts sampled at temperature 1 for ``--new`` tokens; the logprobs the engine recorded vs
+``modeling.token_logprobs`` of prompt + output (the trainer's recompute, bf16) and vs transformers' full
+forward; the gather path's gap beside it.
 
 With ``--vllm``: the vLLM engine on the same weights (written as a checkpoint folder) and the same
 prompts, in a process of its own (bench/vllm_engine.py): a "vllm T=1" row beside "engine T=1" (same
@@ -30,7 +36,8 @@ Needs torch, numpy and transformers (not pyzmq, pydantic or structlog); ``--vllm
 Run:  python3 bench/engine.py                          (CUDA host: about 2 minutes)
       python3 bench/engine.py --no-hf --vllm --swap --prefix     (+ vLLM; scripts/gpu_vllm.sh installs it)
       python3 bench/engine.py --no-hf --vllm --new 2048 --batches 256      (the long-output shape)
-      python3 bench/engine.py --variants               (+ eager and gather rows at each batch)
+      python3 bench/engine.py --variants               (+ the other attentions, eager and gather rows)
+      python3 bench/engine.py --no-hf --longtail --batches 256 --variants   (long-tailed lengths)
       .venv/bin/python bench/engine.py --tiny --device cpu     (anywhere: a tiny model, end to end)
 
 The last line is ``RESULT ...`` with tokens/s, the ratios to HF, and the logprob gaps; the target is
@@ -53,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from areal_bus.engines.cuda_decode import ATTENTION  # noqa: E402
 from areal_bus.engines.torch_engine import TorchRolloutEngine  # noqa: E402
 from areal_bus.messages import GenerateRequest  # noqa: E402
 from areal_bus.modeling import QWEN2_0_5B, TINY_QWEN2, make_random_model, token_logprobs  # noqa: E402
@@ -119,10 +127,23 @@ def run_hf(hf, prompts: torch.Tensor, new: int) -> float:
     return time.perf_counter() - t0
 
 
-def requests(prompts: torch.Tensor, new: int, temperature: float, tag: str) -> list[GenerateRequest]:
+def requests(prompts: torch.Tensor, new: int | list[int], temperature: float, tag: str) -> list[GenerateRequest]:
+    """One request per prompt for ``new`` tokens (a count per row, or one for all)."""
+    lengths = new if isinstance(new, list) else [new] * len(prompts)
     return [GenerateRequest(request_id=f"{tag}{i}", episode_id=f"{tag}{i}", ticket=0, min_version=0,
-                            max_tokens=new, temperature=temperature, prompt_ids=p.cpu().numpy().astype(np.int32))
-            for i, p in enumerate(prompts)]
+                            max_tokens=n, temperature=temperature, prompt_ids=p.cpu().numpy().astype(np.int32))
+            for i, (p, n) in enumerate(zip(prompts, lengths))]
+
+
+def longtail_lengths(batch: int, seed: int = 0) -> list[int]:
+    """New tokens per row as the headline draws them (engines.sim.draw_length: lognormal, median 500,
+    sigma 0.8, clipped 200..3,000), seeded."""
+    from areal_bus.engines.sim import draw_length
+    from areal_bus.topology import LengthDistribution
+
+    dist = LengthDistribution(dist="lognormal", median=500, sigma=0.8, min=200, max=3000)
+    rng = np.random.default_rng(seed)
+    return [draw_length(dist, rng) for _ in range(batch)]
 
 
 def generate(engine: TorchRolloutEngine, reqs: list[GenerateRequest]) -> tuple[float, dict]:
@@ -141,7 +162,7 @@ def generate(engine: TorchRolloutEngine, reqs: list[GenerateRequest]) -> tuple[f
 def make_engine(model, args, batch: int, mode: str, attention: str | None = None) -> TorchRolloutEngine:
     # A round cache length keeps the length buckets multiples of 128 (the fused attention kernel
     # wants the mask's length a multiple of 16, or pads it).
-    max_len = -(-(args.prompt + args.new + 1) // 128) * 128
+    max_len = -(-(args.prompt + (3000 if args.longtail else args.new) + 1) // 128) * 128
     return TorchRolloutEngine(model, max_batch=batch, max_len=max_len, device=args.device,
                               dtype=model.lm_head.weight.dtype, eos_token_ids=[], static_decode=mode != "gather",
                               cuda_graphs=mode == "graphs", attention=attention or args.attention,
@@ -152,9 +173,11 @@ def run_engine(model, args, prompts: torch.Tensor, mode: str, temperature: float
                attention: str | None = None) -> tuple[float, float]:
     """(warm seconds, cold seconds) for one batch at ``mode``: the cold run captures the graphs."""
     engine = make_engine(model, args, len(prompts), mode, attention)
-    cold, _ = generate(engine, requests(prompts, args.new, temperature, "w"))
-    warm, out = generate(engine, requests(prompts, args.new, temperature, "t"))
-    assert all(c.output_ids.size == args.new for c in out.values())
+    new = longtail_lengths(len(prompts)) if args.longtail else args.new
+    cold, _ = generate(engine, requests(prompts, new, temperature, "w"))
+    warm, out = generate(engine, requests(prompts, new, temperature, "t"))
+    want = new if isinstance(new, list) else [new] * len(prompts)
+    assert all(out[f"t{i}"].output_ids.size == n for i, n in enumerate(want))
     del engine
     free(torch.device(args.device))
     return warm, cold
@@ -204,8 +227,10 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="default 64 256 (tiny: 4 8)")
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 128; tiny: 16)")
     ap.add_argument("--new", type=int, default=None, help="new tokens per prompt (default 256; tiny: 16)")
-    ap.add_argument("--attention", default="sdpa", choices=["sdpa", "matmul"])
-    ap.add_argument("--variants", action="store_true", help="add the other attention, eager and gather rows")
+    ap.add_argument("--attention", default="sdpa", choices=sorted(ATTENTION))
+    ap.add_argument("--variants", action="store_true", help="add the other attentions, eager and gather rows")
+    ap.add_argument("--longtail", action="store_true", help="new tokens per row drawn as the headline's (lognormal "
+                    "median 500, 200..3,000), not --new for every row; no HF row")
     ap.add_argument("--no-graphs", action="store_true", help="the engine row without CUDA graphs")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (ratios are then not printed)")
     ap.add_argument("--shape", default="0.5b", choices=sorted(SHAPES), help="the model body (random weights)")
@@ -217,6 +242,7 @@ def main() -> int:
     args.batches = args.batches or ([4, 8] if args.tiny else [64, 256])
     args.prompt = args.prompt or (16 if args.tiny else 128)
     args.new = args.new or (16 if args.tiny else 256)
+    args.no_hf = args.no_hf or args.longtail  # HF generate makes one length for every row
     device = torch.device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if device.type == "cpu":
@@ -228,35 +254,38 @@ def main() -> int:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"model {'tiny qwen2' if args.tiny else f'Qwen2-{args.shape.upper()} shape'} {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
           f"params {str(dtype).removeprefix('torch.')} on {gpu}; torch {torch.__version__}; prompts {args.prompt} "
-          f"tokens, {args.new} new tokens each; built in {time.perf_counter() - t0:.1f} s", flush=True)
+          f"tokens, {'long-tailed new tokens (median 500, 200..3,000)' if args.longtail else f'{args.new} new tokens'} "
+          f"each; "
+          f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     main_mode = "eager" if args.no_graphs or device.type != "cuda" else "graphs"
     if device.type == "cuda":
         print(f"SDPA memory-efficient kernel takes the decode step's shapes: {efficient_sdpa_ok(model, device)}")
     gen = torch.Generator().manual_seed(1)
     result = {}
     batch_prompts = {}
-    print(f"{'batch':>5}  {'what':<16} {'tokens/s':>10} {'x hf':>6} {'warm s':>7} {'cold s':>7}", flush=True)
+    print(f"{'batch':>5}  {'what':<19} {'tokens/s':>10} {'x hf':>6} {'warm s':>7} {'cold s':>7}", flush=True)
     for batch in args.batches:
         prompts = torch.randint(0, model.cfg.vocab_size, (batch, args.prompt), generator=gen).to(device)
         batch_prompts[batch] = prompts
-        tokens = batch * args.new
+        tokens = sum(longtail_lengths(batch)) if args.longtail else batch * args.new
         hf_tps = None
         if hf is not None:
             secs = run_hf(hf, prompts, args.new)
             hf_tps = tokens / secs
-            print(f"{batch:>5}  {'hf generate':<16} {hf_tps:>10.0f} {1.0:>6.2f} {secs:>7.2f} {'':>7}", flush=True)
+            print(f"{batch:>5}  {'hf generate':<19} {hf_tps:>10.0f} {1.0:>6.2f} {secs:>7.2f} {'':>7}", flush=True)
             result[f"hf_tok_s_{batch}"] = round(hf_tps)
         todo = [("engine", main_mode, 0.0, None), ("engine T=1", main_mode, 1.0, None)]
         if args.variants:
-            other = "matmul" if args.attention == "sdpa" else "sdpa"
-            todo += [(f"engine {other}", main_mode, 0.0, other), ("engine gather", "gather", 0.0, None)]
+            todo += [(f"engine {other}", main_mode, 0.0, other) for other in sorted(ATTENTION)
+                     if other != args.attention and (other != "flash_varlen" or device.type == "cuda" or args.tiny)]
+            todo += [("engine gather", "gather", 0.0, None)]
             if main_mode == "graphs":
                 todo.insert(-1, ("engine eager", "eager", 0.0, None))
         for what, mode, temperature, attention in todo:
             warm, cold = run_engine(model, args, prompts, mode, temperature, attention)
             tps = tokens / warm
             ratio = tps / hf_tps if hf_tps else float("nan")
-            print(f"{batch:>5}  {what:<16} {tps:>10.0f} {ratio:>6.2f} {warm:>7.2f} {cold:>7.2f}", flush=True)
+            print(f"{batch:>5}  {what:<19} {tps:>10.0f} {ratio:>6.2f} {warm:>7.2f} {cold:>7.2f}", flush=True)
             key = what.replace(" ", "_").replace("=", "").lower()
             result[f"{key}_tok_s_{batch}"] = round(tps)
             if what == "engine" and hf_tps:
@@ -267,7 +296,7 @@ def main() -> int:
         v = run_vllm(model, args, batch_prompts, lp_prompts)
         for batch, row in v["rows"].items():
             torch_tps = result.get(f"engine_t1_tok_s_{batch}")
-            print(f"{int(batch):>5}  {'vllm T=1':<16} {row['tok_s']:>10.0f} {'':>6} {row['warm_s']:>7.2f} "
+            print(f"{int(batch):>5}  {'vllm T=1':<19} {row['tok_s']:>10.0f} {'':>6} {row['warm_s']:>7.2f} "
                   f"{row['cold_s']:>7.2f}   ({row['tok_s'] / torch_tps:.2f}x engine T=1)", flush=True)
             result[f"vllm_t1_tok_s_{batch}"] = round(row["tok_s"])
         result |= {"vllm": v["vllm"], "vllm_start_s": round(v["start_s"]),

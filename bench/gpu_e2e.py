@@ -29,8 +29,9 @@ max running sequences and the share of time below half of max_batch; "gen tok/s 
 rollout workers' finished-token rate while the trainer waits and while an update runs (where the first
 is the engine's full-batch rate and the trainer is mostly idle, rollout bounds the run; a second well
 below the first is the two contending for the device). Under each run's row, the running batch over the
-same window, one character per sixtieth of it (fewer where it holds fewer samples; ▁ under 1/8 of max_batch .. █ from 7/8 on), with a ^ where
-an update ended: a synchronous run drains to ▁ before every ^, an asynchronous one should not.
+same window, one character per sixtieth of it (fewer where it holds fewer samples; ▁ under 1/8 of
+max_batch .. █ from 7/8 on), with a ^ where an update ended: a synchronous run drains to ▁ before every
+^, an asynchronous one should not.
 
 Run:  python3 bench/gpu_e2e.py                    (on the GPU machine: guess at 0.5B, ~2-4 min)
       bash scripts/gpu_headline.sh                (issue 15's table: longtail at 0.5B, both policies)
@@ -154,7 +155,7 @@ def topology(model: Path, run: Run, args) -> dict:
         model={"path": str(model), "dtype": args.dtype, "device": args.device, "trainer_device": args.trainer_device,
                "threads": 1 if args.device == "cpu" else 4},
         rollout_engine={"kind": args.engine, "max_batch": args.rollout_batch, "max_len": max_len_of(args),
-                        "temperature": 1.0,
+                        "temperature": 1.0, "decode_attention": args.decode_attention,
                         **({"gpu_memory_utilization": args.gpu_memory_utilization} if args.engine == "vllm" else {})},
         trainer_engine={"kind": "torch", "eps_clip": 0.2, "behav_imp_weight_cap": 5.0, "eval_interval": 0},
         nodes={"bus": {}, "agent": {"replicas": args.agents}, "reward": {"replicas": 1}, "trainer": {}, "weights": {}},
@@ -293,6 +294,8 @@ def main() -> int:
     ap.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
     ap.add_argument("--runs", nargs="+", default=None, help="MODE[:STALENESS[:DROP[:LEAD[:ORDER]]]] ... (overrides the three above)")
     ap.add_argument("--rollout-batch", type=int, default=256, help="the rollout engine's max_batch")
+    ap.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "matmul", "flash_varlen"],
+                    help="torch engine: rollout_engine.decode_attention")
     ap.add_argument("--agents", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=8, help="GRPO group (samples per prompt)")
     ap.add_argument("--prompt-len", type=int, default=128, help="longtail: prompt characters (= tokens here)")
@@ -338,7 +341,8 @@ def bench(args, runs: list[Run], work: Path) -> int:
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {hw}; policy {args.shape} {n / 1e6:.0f}M params "
           f"({args.dtype}); {lengths}; global batch {args.batch}, trigger {args.trigger or args.batch // 2}, "
           f"{args.agents} agents, {args.steps} updates per run, first {args.skip} left out; rollout engine "
-          f"{args.engine}, max_batch {args.rollout_batch}", flush=True)
+          f"{args.engine}, max_batch {args.rollout_batch}"
+          + (f", decode attention {args.decode_attention}" if args.engine == "torch" else ""), flush=True)
     print(f"{'run':23s} {'samples/s':>9s} {'tokens/s':>9s} {'ratio':>5s} {'busy':>5s} {'running batch':>20s} "
           f"{'<half':>5s}  {'dropped':>12s} {'over_bound':>10s} {'gen tok/s idle/train':>20s}  staleness histogram "
           f"(counted updates)", flush=True)

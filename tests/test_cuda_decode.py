@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from areal_bus.engines.cuda_decode import buckets
+from areal_bus.engines.cuda_decode import ATTENTION, buckets
 from areal_bus.engines.torch_engine import TorchRolloutEngine
 from areal_bus.modeling import (TINY_LLAMA, TINY_LLAMA31, TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3, make_random_model,
                                 save_pretrained)
@@ -44,7 +44,7 @@ def test_static_greedy_equals_gather_path_and_naive_loop(cfg):
         np.testing.assert_allclose(static[k].logprobs, gather[k].logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+@pytest.mark.parametrize("attention", ["sdpa", "matmul", "flash_varlen"])
 def test_static_logprobs_equal_full_forward_at_sampled_tokens(attention):
     model = _model()
     reqs = [_req("a", PROMPTS["a"], 24, temperature=0.7, top_p=0.9), _req("b", PROMPTS["b"], 24, temperature=1.3),
@@ -54,6 +54,48 @@ def test_static_logprobs_equal_full_forward_at_sampled_tokens(attention):
         comp = out[r.request_id]
         assert comp.output_ids.size == 24
         np.testing.assert_allclose(comp.logprobs, _full_logprobs(model, r.prompt_ids, comp, r.temperature), atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+def test_flash_varlen_reads_each_rows_own_keys_as_the_masked_attention_does(device):
+    """The varlen call's arithmetic over the cache (sequences = (row, kv head), their grouped query heads
+    as queries, seqused = position + 1) against the masked SDPA call: on CPU through varlen_reference, on
+    CUDA through FlashAttention-2 (bfloat16, the 0.5B shape's head dimension). A row not decoding
+    (position max_len - 1) reads one key, and nothing reads its output."""
+    cuda = device == "cuda"
+    d, dtype, tol = (64, torch.bfloat16, 2e-2) if cuda else (16, torch.float32, 1e-5)
+    # the 0.5B shape's heads (14 over 2 kv heads)
+    heads = TINY_QWEN2 | {"hidden_size": 14 * d, "num_attention_heads": 14, "num_key_value_heads": 2}
+    dec = _engine(make_random_model(heads, seed=0, device=device, dtype=dtype), max_batch=6, max_len=40,
+                  decode_buckets=([6], [32, 40]), device=device, dtype=dtype, static_decode=True).fast
+    gen = torch.Generator().manual_seed(0)
+    b, kv, group, max_len, bucket = 5, 2, 7, 40, 32
+    q = torch.randn(b, kv, group, d, generator=gen).to(device, dtype)
+    k, v = torch.randn(2, b, kv, max_len, d, generator=gen).to(device, dtype)
+    pos = torch.tensor([3, 31, 0, max_len - 1, 17], device=device)
+    prep_mask, sdpa = ATTENTION["sdpa"]
+    prep_varlen, varlen = ATTENTION["flash_varlen"]
+    cu_q, cu_k, used = prepared = prep_varlen(dec, pos, bucket)
+    assert used.tolist() == [4, 4, 32, 32, 1, 1, 1, 1, 18, 18] and used.dtype == torch.int32
+    assert cu_q.tolist() == list(range(0, 71, 7)) and cu_k.tolist() == list(range(0, 401, 40))
+    want = sdpa(q, k, v, bucket, prep_mask(dec, pos, bucket))
+    got = varlen(q, k, v, bucket, prepared)
+    decoding = [0, 1, 2, 4]
+    torch.testing.assert_close(got[decoding].float(), want[decoding].float(), atol=tol, rtol=tol)
+    # a key past a row's position changes nothing; one within it does
+    k2 = k.clone()
+    k2[0, :, 4:] += 100.0
+    torch.testing.assert_close(varlen(q, k2, v, bucket, prepared)[0].float(), got[0].float(), atol=tol, rtol=tol)
+    k2[0, :, 3] += 100.0
+    assert not torch.allclose(varlen(q, k2, v, bucket, prepared)[0], got[0])
+
+
+def test_decode_attention_is_checked_when_the_decoder_is_made():
+    with pytest.raises(ValueError, match="attention 'flash'"):
+        _engine(_model(), attention="flash")
+    with pytest.raises(ValueError, match="below 2"):
+        _engine(_model(), attention="flash_varlen", max_batch=4096, max_len=1_000_000, static_decode=True,
+                decode_buckets=([4096], [1_000_000]), device="meta")
 
 
 def test_requests_joining_and_leaving_mid_decode_match_running_alone():
@@ -169,7 +211,7 @@ QWEN_HEADS = TINY_QWEN2 | {"vocab_size": 2048, "hidden_size": 896, "intermediate
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+@pytest.mark.parametrize("attention", ["sdpa", "matmul", "flash_varlen"])
 def test_cuda_graph_bf16_logprobs_match_full_forward_as_closely_as_the_gather_path(attention):
     model = make_random_model(QWEN_HEADS, seed=0, device="cuda", dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(0)

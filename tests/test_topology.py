@@ -186,3 +186,14 @@ def test_trainer_device_defaults_to_the_models_and_a_gpu_trainer_needs_gpu_rollo
     assert load_topology(write("model: {device: 'cuda:0', trainer_device: 'cuda:1'}\n")).trainer_device == "cuda:1"
     msg = _error(write("model: {device: cpu, trainer_device: 'cuda:1'}\n"))
     assert "model.trainer_device" in msg and "CUDA IPC" in msg
+
+
+def test_flash_varlen_decode_wants_a_half_precision_model_on_a_gpu(write):
+    engines = "rollout_engine: {kind: torch, decode_attention: flash_varlen}\ntrainer_engine: {kind: torch}\n" \
+              "agent: {framework: guess}\n"
+    msg = _error(write(engines + "model: {device: cuda, dtype: float32}\n"))
+    assert "decode_attention 'flash_varlen'" in msg and "bfloat16 or float16" in msg and "'float32'" in msg
+    assert load_topology(write(engines + "model: {device: cuda, dtype: bfloat16}\n")).rollout_engine.decode_attention \
+        == "flash_varlen"
+    load_topology(write(engines + "model: {device: cpu}\n"))  # on CPU it is plain torch in any dtype
+    assert "'sdpa', 'matmul' or 'flash_varlen'" in _error(write("rollout_engine: {decode_attention: flash}\n"))

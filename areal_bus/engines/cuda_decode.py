@@ -61,23 +61,90 @@ def buckets(limit: int, first: int, per_doubling: int) -> list[int]:
     return out + [limit]
 
 
-def _attend_sdpa(q, k, v, mask):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+# Decode attention. Every kind gets one step's queries grouped by kv head, q [b, kv, heads / kv, d], the
+# layer's whole cache rows k, v [b, kv, max_len, d] (views), the length bucket and what its ``prepare``
+# made once per step (from the decoder and the rows' positions [b]); it returns [b, kv, heads / kv, d].
 
 
-def _attend_matmul(q, k, v, mask):
-    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5 + mask
-    return scores.softmax(-1).to(v.dtype) @ v
+def _mask(dec: StaticDecoder, pos: torch.Tensor, length: int) -> torch.Tensor:
+    """Additive mask [b, 1, 1, length]: keys past a row's position are -inf (broadcast over kv heads and
+    the grouped query heads)."""
+    b = pos.shape[0]
+    return torch.zeros(b, 1, 1, length, dtype=dec.dtype, device=pos.device).masked_fill_(
+        (dec.key_pos[:length][None] > pos[:, None])[:, None, None], float("-inf"))
 
 
-ATTENTION = {"sdpa": _attend_sdpa, "matmul": _attend_matmul}
+def _attend_sdpa(q, k, v, length, mask):
+    return F.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length], attn_mask=mask)
+
+
+def _attend_matmul(q, k, v, length, mask):
+    scores = (q @ k[:, :, :length].transpose(-1, -2)).float() * q.shape[-1] ** -0.5 + mask
+    return scores.softmax(-1).to(v.dtype) @ v[:, :, :length]
+
+
+def _varlen_inputs(dec: StaticDecoder, pos: torch.Tensor, length: int):
+    """flash_varlen's per-step inputs for its sequences, the (row, kv head) pairs with kv heads fastest:
+    the offsets of their queries and of their keys (views of the decoder's static ``arange``s, so the step
+    launches nothing for them) and the keys each reads, int32: the row's position + 1, or 1 for a row not
+    decoding (its position is max_len - 1, past every bucket, and nobody reads its output). ``expand``,
+    not ``repeat_interleave``: that one syncs with the host, which a CUDA graph capture cannot."""
+    b, kv = pos.shape[0], dec.kv_heads
+    used = torch.where(pos == dec.max_len - 1, 1, pos + 1).to(torch.int32)
+    return dec.cu_queries[:b * kv + 1], dec.cu_keys[:b * kv + 1], used[:, None].expand(b, kv).reshape(b * kv)
+
+
+def _attend_flash_varlen(q, k, v, length, prepared):
+    """FlashAttention-2's variable-length kernel (torch's own build) over the cache as it lies: each (row,
+    kv head) is one sequence, its ``max_len`` cache slots the keys of which the first ``seqused`` are read,
+    and the heads / kv query heads that share the kv head its queries (as the grouped SDPA call has them:
+    one block reads the keys once for all of them). The work is each row's own length, not the bucket's
+    for every row: on a long tail, where one long sequence sets the bucket, most rows are far shorter. No
+    mask is built. CUDA in bfloat16 or float16 only (``StaticDecoder`` checks); on CPU the same
+    computation in plain torch (``varlen_reference``), with which the CPU tests check the arithmetic."""
+    b, kv, group, d = q.shape
+    rows, max_len = b * kv, k.shape[2]
+    cu_q, cu_k, seqused = prepared
+    qs = q.reshape(rows * group, 1, d)
+    ks, vs = k.view(rows * max_len, 1, d), v.view(rows * max_len, 1, d)  # the cache rows, not a copy
+    if q.is_cuda:
+        out = torch.ops.aten._flash_attention_forward(qs, ks, vs, cu_q, cu_k, group, length, 0.0, False, False,
+                                                      seqused_k=seqused)[0]
+    else:
+        out = varlen_reference(qs, ks, vs, cu_q, cu_k, seqused, group, length)
+    return out.view(b, kv, group, d)
+
+
+def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                     seqused: torch.Tensor, max_q: int, max_k: int) -> torch.Tensor:
+    """What FlashAttention's varlen forward computes without a causal mask, in plain torch, one head: q
+    [total_q, 1, d] holding sequence j's queries from ``cu_q[j]`` to ``cu_q[j + 1]`` (at most ``max_q``),
+    k and v [total_k, 1, d] its keys from ``cu_k[j]``, of which the first ``seqused[j]`` (at most
+    ``max_k``) are attended; softmax scale 1/sqrt(d). Returns [total_q, 1, d]."""
+    n = seqused.shape[0]
+    steps_q, steps_k = torch.arange(max_q, device=q.device), torch.arange(max_k, device=q.device)
+    q_at = cu_q[:n, None].long() + steps_q[None]  # [n, max_q] rows of q
+    q_in = q_at < cu_q[1:, None]
+    k_at = (cu_k[:n, None].long() + steps_k[None]).clamp_(max=k.shape[0] - 1)  # [n, max_k] rows of k
+    queries = q[q_at.clamp(max=q.shape[0] - 1), 0].float()  # [n, max_q, d]
+    scores = queries @ k[k_at, 0].float().transpose(1, 2) * q.shape[-1] ** -0.5  # [n, max_q, max_k]
+    scores = scores.masked_fill(~(steps_k[None] < seqused[:, None])[:, None], float("-inf"))
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    out[q_at[q_in], 0] = (scores.softmax(-1) @ v[k_at, 0].float())[q_in]
+    return out.to(q.dtype)
+
+
+ATTENTION = {"sdpa": (_mask, _attend_sdpa), "matmul": (_mask, _attend_matmul),
+             "flash_varlen": (_varlen_inputs, _attend_flash_varlen)}
 
 
 class StaticDecoder:
     """Decode steps over ``cache`` for ``model``: ``decode(slots, ids, positions)`` -> logits.
 
     ``graphs``: capture each (batch bucket, length bucket) step in a CUDA graph (CUDA only).
-    ``attention``: "sdpa" (fused, memory-efficient kernel on CUDA) or "matmul" (two batched matmuls).
+    ``attention``: "sdpa" (fused, memory-efficient kernel on CUDA, over the length bucket with a mask),
+    "matmul" (two batched matmuls, the same) or "flash_varlen" (FlashAttention-2's varlen kernel over each
+    row's own length: ``_attend_flash_varlen``; bfloat16 or float16 on CUDA, plain torch on CPU).
     ``batch_buckets`` / ``len_buckets``: the padded shapes (default: 4 per doubling of the batch,
     2 per doubling of the length from ``MIN_LEN_BUCKET``).
     """
@@ -91,7 +158,15 @@ class StaticDecoder:
         if graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.graphs = graphs
-        self.attend = ATTENTION[attention]
+        if attention not in ATTENTION:
+            raise ValueError(f"attention {attention!r}: one of {', '.join(ATTENTION)}")
+        if attention == "flash_varlen" and self.device.type == "cuda" and self.dtype not in (torch.bfloat16,
+                                                                                              torch.float16):
+            raise ValueError(f"attention 'flash_varlen' runs FlashAttention in bfloat16 or float16, not {self.dtype}")
+        if attention == "flash_varlen" and self.max_batch * cfg.num_key_value_heads * self.max_len >= 2 ** 31:
+            raise ValueError("attention 'flash_varlen' addresses the cache with int32 offsets: max_batch x kv heads "
+                             "x max_len must stay below 2^31")
+        self.prepare, self.attend = ATTENTION[attention]
         self.batch_buckets = sorted(batch_buckets or buckets(self.max_batch, 1, 4))
         self.len_buckets = sorted(len_buckets or buckets(self.max_len, min(MIN_LEN_BUCKET, self.max_len), 2))
         if self.batch_buckets[-1] != self.max_batch or self.len_buckets[-1] != self.max_len:
@@ -107,6 +182,9 @@ class StaticDecoder:
         self._copied = torch.cuda.Event() if dev.type == "cuda" else None
         self.logits = torch.empty(self.max_batch, cfg.vocab_size, dtype=self.dtype, device=dev)
         self.key_pos = torch.arange(self.max_len, device=dev)
+        # flash_varlen's sequence offsets, for every batch bucket at once (_varlen_inputs takes views).
+        seqs = torch.arange(self.max_batch * self.kv_heads + 1, dtype=torch.int32, device=dev)
+        self.cu_queries, self.cu_keys = seqs * (self.heads // self.kv_heads), seqs * self.max_len
         # The same values rope_cos_sin gives the model's own forward (computed in float32, then cast).
         cos, sin = rope_cos_sin(self.key_pos[None], cfg, self.dtype)
         self.cos, self.sin = cos[0, 0], sin[0, 0]  # [max_len, head_dim]
@@ -191,9 +269,7 @@ class StaticDecoder:
         ids, pos = self.io[:b, 0], self.io[:b, 1]
         x = model.model.embed_tokens(ids)  # [b, hidden]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [b, 1, d]
-        # Additive mask [b, 1, 1, length]: broadcast over kv heads and the grouped query heads.
-        mask = torch.zeros(b, 1, 1, length, dtype=self.dtype, device=self.device).masked_fill_(
-            (self.key_pos[:length][None] > pos[:, None])[:, None, None], float("-inf"))
+        prepared = self.prepare(self, pos, length)  # the mask, or flash_varlen's offsets and key counts
         write_at = pos.view(b, 1, 1, 1).expand(b, kv, 1, d)
         with self._sdpa_backends():
             for i, layer in enumerate(model.model.layers):
@@ -207,7 +283,7 @@ class StaticDecoder:
                 k_cache, v_cache = cache.k[i, :b], cache.v[i, :b]  # [b, kv, max_len, d], views
                 k_cache.scatter_(2, write_at, k[:, :, None])
                 v_cache.scatter_(2, write_at, v.reshape(b, kv, 1, d))
-                o = self.attend(q.view(b, kv, h_ // kv, d), k_cache[:, :, :length], v_cache[:, :, :length], mask)
+                o = self.attend(q.view(b, kv, h_ // kv, d), k_cache, v_cache, length, prepared)
                 x = x + attn.o_proj(o.reshape(b, h_ * d))
                 gate, up = F.linear(layer.post_attention_layernorm(x), self.w_gate_up[i]).chunk(2, dim=-1)
                 x = x + layer.mlp.down_proj(F.silu(gate) * up)
