@@ -16,10 +16,12 @@ Workloads (``--workload``):
             from a lognormal (``--median 500 --sigma 0.8``, clipped ``--min-len 200 --max-len 3000``),
             eos ignored, so the lengths are real generated tokens.
 
-Runs (``--runs``, each ``MODE[:STALENESS[:DROP[:LEAD[:ORDER]]]]``, e.g. ``async:2:true async:2:false async:4
-sync``, ``async:2:true:adaptive`` for staleness.lead adaptive, ``async:2:true:bound:in_order`` for
+Runs (``--runs``, each ``MODE[:STALENESS[:DROP[:LEAD[:ORDER[:ATTN]]]]]``, e.g. ``async:2:true async:2:false
+async:4 sync``, ``async:2:true:adaptive`` for staleness.lead adaptive, ``async:2:true:bound:in_order`` for
 staleness.in_order (ORDER ``arrival``, the default, or ``in_order``: each agent hands its groups on in
-admission order);
+admission order), ``sync:::::flash_varlen async:2::::flash_varlen`` for the torch engine's
+rollout_engine.decode_attention (ATTN, default ``--decode-attention``; an async run's ratio is over the sync
+run with the same attention); an empty field takes its default;
 default: every --modes x --staleness x --drop-at-consume, sync once; sync runs first): DROP is
 ``staleness.drop_at_consume`` (README: Knobs); a synchronous run has neither. Every async run's ratio
 is over the sync run of the same invocation. Samples/s and tokens/s (generated tokens) count what the
@@ -102,19 +104,24 @@ class Run:
     drop: bool
     lead: str = "bound"  # staleness.lead: bound | adaptive
     in_order: bool = False  # staleness.in_order
+    attention: str = "sdpa"  # rollout_engine.decode_attention (torch engine)
 
     @property
     def name(self) -> str:
         lead = "" if self.lead == "bound" else f"_{self.lead}"
         order = "_in_order" if self.in_order else ""
-        return "sync" if self.mode == "sync" else f"async_s{self.staleness}_{'drop' if self.drop else 'keep'}{lead}{order}"
+        attn = "" if self.attention == "sdpa" else f"_{self.attention}"
+        if self.mode == "sync":
+            return f"sync{attn}"
+        return f"async_s{self.staleness}_{'drop' if self.drop else 'keep'}{lead}{order}{attn}"
 
     @property
     def label(self) -> str:
+        attn = "" if self.attention == "sdpa" else f" {self.attention}"
         if self.mode == "sync":
-            return "sync"
+            return f"sync{attn}"
         lead = "" if self.lead == "bound" else f" {self.lead}"
-        return f"async s{self.staleness} {'drop' if self.drop else 'keep'}{lead}{' in_order' if self.in_order else ''}"
+        return f"async s{self.staleness} {'drop' if self.drop else 'keep'}{lead}{' in_order' if self.in_order else ''}{attn}"
 
 
 def parse_runs(args) -> list[Run]:
@@ -123,20 +130,32 @@ def parse_runs(args) -> list[Run]:
             raise SystemExit(f"--drop-at-consume / --runs: {text!r} is not true or false")
         return text == "true"
 
+    attention = args.decode_attention
     if args.runs:
         runs = []
         for spec in args.runs:
+            # an empty field takes its default: "sync:::::flash_varlen" is sync with that attention
             parts = spec.split(":")
-            if (parts[0] not in ("async", "sync") or len(parts) > 5 or (len(parts) > 3 and parts[3] not in ("bound", "adaptive"))
-                    or (len(parts) > 4 and parts[4] not in ("arrival", "in_order"))):
-                raise SystemExit(f"--runs {spec!r}: MODE[:STALENESS[:DROP[:LEAD[:ORDER]]]] with MODE async or sync, "
-                                 f"LEAD bound or adaptive, ORDER arrival or in_order")
-            staleness = int(parts[1]) if len(parts) > 1 else args.staleness[0]
-            runs.append(Run(parts[0], staleness, flag(parts[2]) if len(parts) > 2 else True,
-                            parts[3] if len(parts) > 3 else "bound", len(parts) > 4 and parts[4] == "in_order"))
+            parts += [""] * (6 - len(parts))
+            mode, staleness, drop, lead, order, attn = parts[:6]
+            if (mode not in ("async", "sync") or len(parts) > 6 or lead not in ("", "bound", "adaptive")
+                    or order not in ("", "arrival", "in_order") or attn not in ("", "sdpa", "matmul", "flash_varlen")
+                    or not (staleness == "" or staleness.isdigit())):
+                raise SystemExit(f"--runs {spec!r}: MODE[:STALENESS[:DROP[:LEAD[:ORDER[:ATTN]]]]] with MODE async or "
+                                 f"sync, LEAD bound or adaptive, ORDER arrival or in_order, ATTN sdpa, matmul or "
+                                 f"flash_varlen (an empty field: its default)")
+            runs.append(Run(mode, int(staleness) if staleness else args.staleness[0], flag(drop) if drop else True,
+                            lead or "bound", order == "in_order", attn or attention))
         return runs
-    runs = [Run("async", s, flag(d)) for s in args.staleness for d in args.drop_at_consume] if "async" in args.modes else []
-    return runs + ([Run("sync", 0, True)] if "sync" in args.modes else [])
+    runs = [Run("async", s, flag(d), attention=attention) for s in args.staleness for d in args.drop_at_consume] \
+        if "async" in args.modes else []
+    return runs + ([Run("sync", 0, True, attention=attention)] if "sync" in args.modes else [])
+
+
+def baseline(results: dict[Run, Summary], run: Run) -> Summary | None:
+    """The sync run an async run's ratio is over: the one with the same decode attention, else the first."""
+    syncs = [(r, s) for r, s in results.items() if r.mode == "sync"]
+    return next((s for r, s in syncs if r.attention == run.attention), syncs[0][1] if syncs else None)
 
 
 def max_len_of(args) -> int:
@@ -155,7 +174,7 @@ def topology(model: Path, run: Run, args) -> dict:
         model={"path": str(model), "dtype": args.dtype, "device": args.device, "trainer_device": args.trainer_device,
                "threads": 1 if args.device == "cpu" else 4},
         rollout_engine={"kind": args.engine, "max_batch": args.rollout_batch, "max_len": max_len_of(args),
-                        "temperature": 1.0, "decode_attention": args.decode_attention,
+                        "temperature": 1.0, "decode_attention": run.attention,
                         **({"gpu_memory_utilization": args.gpu_memory_utilization} if args.engine == "vllm" else {})},
         trainer_engine={"kind": "torch", "eps_clip": 0.2, "behav_imp_weight_cap": 5.0, "eval_interval": 0},
         nodes={"bus": {}, "agent": {"replicas": args.agents}, "reward": {"replicas": 1}, "trainer": {}, "weights": {}},
@@ -343,7 +362,7 @@ def bench(args, runs: list[Run], work: Path) -> int:
           f"{args.agents} agents, {args.steps} updates per run, first {args.skip} left out; rollout engine "
           f"{args.engine}, max_batch {args.rollout_batch}"
           + (f", decode attention {args.decode_attention}" if args.engine == "torch" else ""), flush=True)
-    print(f"{'run':23s} {'samples/s':>9s} {'tokens/s':>9s} {'ratio':>5s} {'busy':>5s} {'running batch':>20s} "
+    print(f"{'run':28s} {'samples/s':>9s} {'tokens/s':>9s} {'ratio':>5s} {'busy':>5s} {'running batch':>20s} "
           f"{'<half':>5s}  {'dropped':>12s} {'over_bound':>10s} {'gen tok/s idle/train':>20s}  staleness histogram "
           f"(counted updates)", flush=True)
     results: dict[Run, Summary] = {}
@@ -356,17 +375,17 @@ def bench(args, runs: list[Run], work: Path) -> int:
             (args.save / f"{run.name}.json").write_text(json.dumps(
                 {"run": run.label, "args": {k: str(v) for k, v in vars(args).items()}, "records": logs.records,
                  "batch": logs.batch}))
-        sync = next((v for r, v in results.items() if r.mode == "sync"), None)
+        sync = baseline(results, run)
         ratio = f"{s.sps / sync.sps:5.2f}" if sync is not None and run.mode == "async" else "    -"
         seen = s.trained + s.dropped
-        print(f"{run.label:23s} {s.sps:9.1f} {s.tps:9.0f} {ratio} {100 * s.busy:4.0f}% {s.batch:>20s} "
+        print(f"{run.label:28s} {s.sps:9.1f} {s.tps:9.0f} {ratio} {100 * s.busy:4.0f}% {s.batch:>20s} "
               f"{100 * s.below_half:4.0f}%  {s.dropped:5d} ({100 * s.dropped / max(1, seen):3.0f}%) {s.over_bound:10d} "
               f"{f'{s.gen_idle:.0f}/{s.gen_train:.0f}':>20s}  "
               f"{' '.join(f'{k}:{v}' for k, v in s.staleness.items())}   ({s.samples} samples in {s.span:.1f} s; "
               f"wall {logs.wall:.0f} s incl. start, {time.monotonic() - t0:.0f} s)", flush=True)
         line, marks = s.timeline
-        print(f"{'':23s} running batch over those {s.span:.1f} s ({len(line)} slices, ▁ < 1/8 of max_batch, "
-              f"█ >= 7/8; ^ an update ended):\n{'':23s} |{line}|\n{'':23s}  {marks}", flush=True)
+        print(f"{'':28s} running batch over those {s.span:.1f} s ({len(line)} slices, ▁ < 1/8 of max_batch, "
+              f"█ >= 7/8; ^ an update ended):\n{'':28s} |{line}|\n{'':28s}  {marks}", flush=True)
     sync = next((v for r, v in results.items() if r.mode == "sync"), None)
     fields = [f"workload={args.workload}", f"shape={args.shape}", f"engine={args.engine}"]
     for run, s in results.items():
@@ -374,7 +393,7 @@ def bench(args, runs: list[Run], work: Path) -> int:
                    f"{run.name}_dropped={s.dropped}", f"{run.name}_over_bound={s.over_bound}",
                    f"{run.name}_gen_idle_tps={s.gen_idle:.0f}", f"{run.name}_gen_train_tps={s.gen_train:.0f}"]
         if run.mode == "async" and sync is not None:
-            fields.append(f"{run.name}_ratio={s.sps / sync.sps:.2f}")
+            fields.append(f"{run.name}_ratio={s.sps / baseline(results, run).sps:.2f}")
     if sync is not None:  # the ratios of the first async run before any other (the old RESULT's keys)
         first = next((s for r, s in results.items() if r.mode == "async"), None)
         if first is not None:

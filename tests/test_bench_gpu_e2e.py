@@ -10,7 +10,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu_e2e import batch_timeline  # noqa: E402
+import argparse  # noqa: E402
+
+import pytest  # noqa: E402
+
+from bench.gpu_e2e import Run, baseline, batch_timeline, parse_runs  # noqa: E402
 
 
 def test_timeline_is_the_mean_share_of_max_batch_per_slice_with_the_updates_marked():
@@ -27,6 +31,23 @@ def test_timeline_is_the_mean_share_of_max_batch_per_slice_with_the_updates_mark
     assert batch_timeline(gappy, 0.0, 8.0, cells=2)[0] == "█▁"
     sparse = {"a": gappy["a"] + [{"t": 7.95, "running": 0, "max_batch": 8}, {"t": 7.99, "running": 0, "max_batch": 8}]}
     assert batch_timeline(sparse, 0.0, 8.0, cells=3)[0] == "█.▁"
+
+
+def test_runs_take_a_decode_attention_and_an_async_ratio_is_over_the_sync_run_with_the_same_one():
+    args = argparse.Namespace(staleness=[2], drop_at_consume=["true"], modes=["async", "sync"],
+                              decode_attention="sdpa", runs=["sync", "sync:::::flash_varlen", "async:4:false",
+                                                             "async:2::::flash_varlen", "async:2:true:adaptive:in_order"])
+    runs = parse_runs(args)
+    assert runs == [Run("sync", 2, True), Run("sync", 2, True, attention="flash_varlen"), Run("async", 4, False),
+                    Run("async", 2, True, attention="flash_varlen"), Run("async", 2, True, "adaptive", True)]
+    assert [r.name for r in runs] == ["sync", "sync_flash_varlen", "async_s4_keep", "async_s2_drop_flash_varlen",
+                                      "async_s2_drop_adaptive_in_order"]
+    results = dict(zip(runs[:2], ["sdpa's sync", "flash's sync"]))
+    assert baseline(results, runs[3]) == "flash's sync" and baseline(results, runs[2]) == "sdpa's sync"
+    assert baseline({runs[1]: "flash's sync"}, runs[2]) == "flash's sync"  # none with its attention: the first
+    for bad in ("async:2::::flash", "async:x", "async:2:true:bound:arrival:sdpa:more"):
+        with pytest.raises(SystemExit, match="MODE"):
+            parse_runs(argparse.Namespace(**{**vars(args), "runs": [bad]}))
 
 
 def test_the_cpu_smoke_run_prints_each_runs_row_and_its_running_batch_over_time():
