@@ -192,7 +192,9 @@ def main() -> int:
                         "its seed left out)")
     p.add_argument("--save", type=Path, default=None, help="write each run's curve and summary as JSON here")
     p.add_argument("--combine", type=Path, nargs="+", default=None,
-                   help="run nothing: the seeds' summary over --save folders of earlier invocations")
+                   help="run nothing: the seeds' summary over --save folders of earlier invocations; a later "
+                        "folder's run of a seed and mode replaces an earlier one's, so `--combine BOTH ASYNC_ONLY` "
+                        "pairs the second's async runs (say with staleness.in_order) with the first's sync runs")
     p.add_argument("--window-from", type=int, default=None, metavar="SAMPLES",
                    help="the seeds' summary also averages async - sync over sync's evaluations from this many "
                         "trained samples on (default: from half the samples compared), e.g. the plateau of "
@@ -274,7 +276,8 @@ def save_runs(folder: Path, pair: dict, seed: int | None) -> None:
 
 
 def load_pairs(folders: list[Path]) -> dict[int, dict]:
-    """{seed: {mode: run}} from ``--save`` folders; a seed needs both modes."""
+    """{seed: {mode: run}} from ``--save`` folders, a later folder's run of a seed and mode replacing an
+    earlier one's; a seed needs both modes."""
     pairs: dict[int, dict] = {}
     for folder in folders:
         for f in sorted(folder.glob("*-seed*.json")):

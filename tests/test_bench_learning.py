@@ -44,3 +44,17 @@ def test_combine_averages_the_gap_over_syncs_evaluations_from_the_window_given(t
                           "--window-from", "5120"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert "mean over sync's evaluations from 5120 samples, per seed: +0.030 +0.075; mean +0.052" in out.stdout, \
         out.stdout
+
+
+def test_combine_pairs_a_later_folders_async_runs_with_an_earlier_folders_sync_runs(tmp_path):
+    both, async_only = tmp_path / "both", tmp_path / "in_order"
+    for folder, files in ((both, (("async", "ltn-async"), ("sync", "ltn-sync"))),
+                          (async_only, (("async", "ltn-in_order-async"),))):
+        folder.mkdir()
+        for mode, stem in files:
+            (folder / f"{mode}-seed3.json").write_bytes(gzip.decompress((RUNS / f"{stem}-seed3.json.gz").read_bytes()))
+    run = lambda *dirs: subprocess.run([sys.executable, str(ROOT / "bench" / "learning.py"), "--combine",  # noqa: E731
+                                        *map(str, dirs)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    # seed 3 at sync's 5,120 samples: in_order's async +0.030 (the ten-seed table), default order's another
+    assert "per seed: +0.030;" in run(both, async_only).stdout
+    assert "per seed: +0.030;" not in run(async_only, both).stdout
