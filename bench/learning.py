@@ -18,8 +18,9 @@ Run:   .venv/bin/python bench/learning.py                  (about 4 minutes on 2
                                                            e.g. one pair per GPU call)
 
 Every run also prints what the system did (bench/gpu_e2e.py's summary over the updates after the first):
-samples/s, generated tokens/s, the trainer's busy share, the rollout engine's running batch, the staleness
-histogram, drops and samples trained over the bound, and the rollouts' output lengths.
+samples/s, generated tokens/s, the trainer's busy share, the rollout engine's running batch (and, on three
+lines, that running batch over time with the updates' ends marked), the staleness histogram, drops and
+samples trained over the bound, and the rollouts' output lengths.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from areal_bus.topology import parse_topology  # noqa: E402
-from bench.gpu_e2e import summarise  # noqa: E402
+from bench.gpu_e2e import batch_timeline, counted_steps, summarise  # noqa: E402
 from bench.harness import run_logged  # noqa: E402
 
 
@@ -59,6 +60,9 @@ def run_mode(mode: str, base: dict, model: Path, keep: Path | None, tag: str = "
     print(f"  {mode}{tag}: {lengths(records)}", flush=True)
     system = system_line(logs)
     print(f"  {mode}{tag}: {system}", flush=True)
+    if timeline := timeline_lines(logs):
+        print(f"  {mode}{tag}: running batch over the updates after the first ({timeline[0]}):\n"
+              f"  {mode}{tag}: |{timeline[1]}|\n  {mode}{tag}:  {timeline[2]}", flush=True)
     if lags := lag_line(records):
         print(f"  {mode}{tag}: {lags}", flush=True)
     return {"mode": mode, "wall": logs.wall, "curve": curve(records), "points": by_samples(records),
@@ -81,6 +85,19 @@ def lag_line(records: list[dict]) -> str:
             parts.append(f"{name} {share:.0%} of tokens |log w| {mean(name + '.abs_log_w'):.3f} capped "
                          f"{mean(name + '.capped'):.1%} clipped {mean(name + '.clipped'):.1%}")
     return "by lag: " + "; ".join(parts)
+
+
+def timeline_lines(logs) -> tuple[str, str, str] | None:
+    """bench/gpu_e2e.py's running batch over time for the window system_line summarises: (what a slice
+    is, the slices, the updates' ends marked ^); None where that window has no updates."""
+    try:
+        counted, t0 = counted_steps(logs.records, 1)
+    except RuntimeError:
+        return None
+    t1 = counted[-1]["t_end"]
+    line, marks = batch_timeline(logs.batch, t0, t1, [r["t_end"] for r in counted])
+    return f"{len(line)} slices of {(t1 - t0) / len(line):.1f} s, ▁ < 1/8 of max_batch, █ >= 7/8, ^ an update ended", \
+        line, marks
 
 
 def system_line(logs) -> str:
