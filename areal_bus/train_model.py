@@ -487,7 +487,9 @@ class PackedLM(torch.nn.Module):
             lp = torch.cat([zero, lp]).masked_fill(starts, 0.0)
             ent = torch.cat([zero, ent]).masked_fill(starts, 0.0) if entropy else None
             return lp, ent
-        spread = lambda v: hidden.new_zeros(n + head.numel(), dtype=torch.float32).index_copy(0, head, v)[:n]
+        # a copy, not the slice: FSDP2 hooks the root's outputs for backward, and an in-place op on a view
+        # it returned would drop that hook (torch warns of it)
+        spread = lambda v: hidden.new_zeros(n + head.numel(), dtype=torch.float32).index_copy(0, head, v)[:n].clone()
         return spread(lp), (spread(ent) if entropy else None)
 
 
