@@ -50,6 +50,8 @@ def test_runs_take_a_decode_attention_and_an_async_ratio_is_over_the_sync_run_wi
             parse_runs(argparse.Namespace(**{**vars(args), "runs": [bad]}))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_the_cpu_smoke_run_prints_each_runs_row_and_its_running_batch_over_time():
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_e2e.py"), "--shape", "tiny", "--device", "cpu",
                           "--workload", "longtail", "--batch", "16", "--steps", "3", "--skip", "1", "--median", "24",
