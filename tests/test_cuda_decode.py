@@ -90,6 +90,19 @@ def test_flash_varlen_reads_each_rows_own_keys_as_the_masked_attention_does(devi
     assert not torch.allclose(varlen(q, k2, v, bucket, prepared)[0], got[0])
 
 
+def test_flash_varlen_that_reads_past_a_rows_position_is_refused_before_any_decode(monkeypatch):
+    """The decoder checks flash_varlen against the masked attention when it is made: a kernel that
+    ignored each row's key count (here: attends the whole bucket) refuses to start, naming the gap."""
+    from areal_bus.engines import cuda_decode
+
+    assert _engine(_model(), attention="flash_varlen", decode_buckets=None).fast is not None  # one bucket: 64
+    prepare, _ = cuda_decode.ATTENTION["flash_varlen"]
+    unmasked = lambda q, k, v, length, prepared: cuda_decode._attend_sdpa(q, k, v, length, None)  # noqa: E731
+    monkeypatch.setitem(cuda_decode.ATTENTION, "flash_varlen", (prepare, unmasked))
+    with pytest.raises(RuntimeError, match="'flash_varlen' differs from the masked attention by"):
+        _engine(_model(), attention="flash_varlen")
+
+
 def test_decode_attention_is_checked_when_the_decoder_is_made():
     with pytest.raises(ValueError, match="attention 'flash'"):
         _engine(_model(), attention="flash")

@@ -144,7 +144,8 @@ class StaticDecoder:
     ``graphs``: capture each (batch bucket, length bucket) step in a CUDA graph (CUDA only).
     ``attention``: "sdpa" (fused, memory-efficient kernel on CUDA, over the length bucket with a mask),
     "matmul" (two batched matmuls, the same) or "flash_varlen" (FlashAttention-2's varlen kernel over each
-    row's own length: ``_attend_flash_varlen``; bfloat16 or float16 on CUDA, plain torch on CPU).
+    row's own length: ``_attend_flash_varlen``; bfloat16 or float16 on CUDA, plain torch on CPU; checked
+    against the masked call once, here, before any decode).
     ``batch_buckets`` / ``len_buckets``: the padded shapes (default: 4 per doubling of the batch,
     2 per doubling of the length from ``MIN_LEN_BUCKET``).
     """
@@ -198,6 +199,31 @@ class StaticDecoder:
                 self.w_gate_up.append(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
+        if attention == "flash_varlen":
+            self._check_against_masked_attention()
+
+    def _check_against_masked_attention(self) -> None:
+        """One flash_varlen call on random keys against the masked SDPA call, before any decode: a torch
+        build whose kernel ignored ``seqused_k`` (or rejected these shapes) would otherwise sample every
+        token from wrong logits, silently. Refuses to start, naming the difference, instead."""
+        gen = torch.Generator().manual_seed(0)
+        b, kv, group, d = min(3, self.max_batch), self.kv_heads, self.heads // self.kv_heads, self.head_dim
+        length = self.len_buckets[0]
+        q = torch.randn(b, kv, group, d, generator=gen).to(self.device, self.dtype)
+        k, v = torch.randn(2, b, kv, self.max_len, d, generator=gen).to(self.device, self.dtype)
+        # the last position a row feeds within the bucket, the first, one between (max_len - 1 is a row
+        # not decoding, which the two kinds treat differently and nobody reads)
+        pos = torch.tensor([min(length, self.max_len - 1) - 1, 0, length // 2][:b], device=self.device)
+        try:
+            with torch.no_grad(), self._sdpa_backends():
+                got = ATTENTION["flash_varlen"][1](q, k, v, length, _varlen_inputs(self, pos, length)).float()
+                want = _attend_sdpa(q, k, v, length, _mask(self, pos, length)).float()
+        except RuntimeError as exc:
+            raise RuntimeError(f"decode attention 'flash_varlen' does not run here ({exc}); use 'sdpa'") from exc
+        worst = float((got - want).abs().max())
+        if not worst <= (0.05 if self.dtype in (torch.bfloat16, torch.float16) else 1e-4):
+            raise RuntimeError(f"decode attention 'flash_varlen' differs from the masked attention by {worst:.3g} "
+                               f"on this machine (torch {torch.__version__}); use 'sdpa'")
 
     @property
     def captured(self) -> list[tuple[int, int]]:
