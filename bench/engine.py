@@ -255,8 +255,7 @@ def main() -> int:
     print(f"model {'tiny qwen2' if args.tiny else f'Qwen2-{args.shape.upper()} shape'} {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
           f"params {str(dtype).removeprefix('torch.')} on {gpu}; torch {torch.__version__}; prompts {args.prompt} "
           f"tokens, {'long-tailed new tokens (median 500, 200..3,000)' if args.longtail else f'{args.new} new tokens'} "
-          f"each; "
-          f"built in {time.perf_counter() - t0:.1f} s", flush=True)
+          f"each; built in {time.perf_counter() - t0:.1f} s", flush=True)
     main_mode = "eager" if args.no_graphs or device.type != "cuda" else "graphs"
     if device.type == "cuda":
         print(f"SDPA memory-efficient kernel takes the decode step's shapes: {efficient_sdpa_ok(model, device)}")
