@@ -229,6 +229,7 @@ def batch_summary(series: dict[str, list[dict]], t0: float, t1: float) -> tuple[
 
 
 LEVELS = "▁▂▃▄▅▆▇█"
+TIMELINE_KEY = "▁ < 1/8 of max_batch, █ >= 7/8; ^ an update ended"
 
 
 def batch_timeline(series: dict[str, list[dict]], t0: float, t1: float, ends: list[float] = (),
@@ -384,8 +385,8 @@ def bench(args, runs: list[Run], work: Path) -> int:
               f"{' '.join(f'{k}:{v}' for k, v in s.staleness.items())}   ({s.samples} samples in {s.span:.1f} s; "
               f"wall {logs.wall:.0f} s incl. start, {time.monotonic() - t0:.0f} s)", flush=True)
         line, marks = s.timeline
-        print(f"{'':28s} running batch over those {s.span:.1f} s ({len(line)} slices, ▁ < 1/8 of max_batch, "
-              f"█ >= 7/8; ^ an update ended):\n{'':28s} |{line}|\n{'':28s}  {marks}", flush=True)
+        print(f"{'':28s} running batch over those {s.span:.1f} s ({len(line)} slices, {TIMELINE_KEY}):\n"
+              f"{'':28s} |{line}|\n{'':28s}  {marks}", flush=True)
     sync = next((v for r, v in results.items() if r.mode == "sync"), None)
     fields = [f"workload={args.workload}", f"shape={args.shape}", f"engine={args.engine}"]
     for run, s in results.items():

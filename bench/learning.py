@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from areal_bus.topology import parse_topology  # noqa: E402
-from bench.gpu_e2e import batch_timeline, counted_steps, summarise  # noqa: E402
+from bench.gpu_e2e import TIMELINE_KEY, summarise  # noqa: E402
 from bench.harness import run_logged  # noqa: E402
 
 
@@ -58,11 +58,18 @@ def run_mode(mode: str, base: dict, model: Path, keep: Path | None, tag: str = "
     records = logs.records
     print(f"  {mode}{tag}: {sum(1 for r in records if r['step'] >= 0)} updates in {logs.wall:.0f} s wall", flush=True)
     print(f"  {mode}{tag}: {lengths(records)}", flush=True)
-    system = system_line(logs)
+    try:
+        summary = summarise(logs, 1)
+    except RuntimeError as exc:
+        summary, system = None, f"no system summary ({exc})"
+    else:
+        system = system_line(logs, summary)
     print(f"  {mode}{tag}: {system}", flush=True)
-    if timeline := timeline_lines(logs):
-        print(f"  {mode}{tag}: running batch over the updates after the first ({timeline[0]}):\n"
-              f"  {mode}{tag}: |{timeline[1]}|\n  {mode}{tag}:  {timeline[2]}", flush=True)
+    if summary is not None:
+        line, marks = summary.timeline
+        print(f"  {mode}{tag}: running batch over the updates after the first ({len(line)} slices of "
+              f"{summary.span / len(line):.1f} s, {TIMELINE_KEY}):\n  {mode}{tag}: |{line}|\n  {mode}{tag}:  {marks}",
+              flush=True)
     if lags := lag_line(records):
         print(f"  {mode}{tag}: {lags}", flush=True)
     return {"mode": mode, "wall": logs.wall, "curve": curve(records), "points": by_samples(records),
@@ -87,25 +94,9 @@ def lag_line(records: list[dict]) -> str:
     return "by lag: " + "; ".join(parts)
 
 
-def timeline_lines(logs) -> tuple[str, str, str] | None:
-    """bench/gpu_e2e.py's running batch over time for the window system_line summarises: (what a slice
-    is, the slices, the updates' ends marked ^); None where that window has no updates."""
-    try:
-        counted, t0 = counted_steps(logs.records, 1)
-    except RuntimeError:
-        return None
-    t1 = counted[-1]["t_end"]
-    line, marks = batch_timeline(logs.batch, t0, t1, [r["t_end"] for r in counted])
-    return f"{len(line)} slices of {(t1 - t0) / len(line):.1f} s, ▁ < 1/8 of max_batch, █ >= 7/8, ^ an update ended", \
-        line, marks
-
-
-def system_line(logs) -> str:
-    """What the system did over the updates after the first (evaluations inside the window included)."""
-    try:
-        s = summarise(logs, 1)
-    except RuntimeError as exc:
-        return f"no system summary ({exc})"
+def system_line(logs, s) -> str:
+    """What the system did over the updates after the first (``s``: bench/gpu_e2e.py's summary of that
+    window, evaluations inside it included)."""
     steps = [r for r in logs.records if r["step"] >= 0]
     outs = [r["generated"] / r["samples"] for r in steps if r.get("generated") and r.get("samples")]
     out = f", output tokens per sample {min(outs):.0f}..{max(outs):.0f} (update means)" if outs else ""
