@@ -13,6 +13,8 @@ new tokens each (no EOS stop), greedy. Rows, each after one warm-up run of the s
   engine matmul   the same with attention as two batched matmuls instead of SDPA (--variants; also
                   "engine flash_varlen": FlashAttention-2's varlen kernel over each row's own length,
                   rollout_engine.decode_attention)
+  engine +compile the same with the step's elementwise work fused by torch.compile (--variants; for sdpa
+                  and, on CUDA, flash_varlen; rollout_engine.decode_compile)
   engine eager    the static-cache step without graphs (--variants)
   engine gather   the older path: a per-step gather of each slot's cache (--variants)
 
@@ -162,10 +164,12 @@ def generate(engine: TorchRolloutEngine, reqs: list[GenerateRequest]) -> tuple[f
 def make_engine(model, args, batch: int, mode: str, attention: str | None = None) -> TorchRolloutEngine:
     # A round cache length keeps the length buckets multiples of 128 (the fused attention kernel
     # wants the mask's length a multiple of 16, or pads it).
+    # ``attention`` "ATTN+compile": that attention with the step's elementwise work fused.
     max_len = -(-(args.prompt + (3000 if args.longtail else args.new) + 1) // 128) * 128
+    attention, _, fused = (attention or args.attention).partition("+")
     return TorchRolloutEngine(model, max_batch=batch, max_len=max_len, device=args.device,
                               dtype=model.lm_head.weight.dtype, eos_token_ids=[], static_decode=mode != "gather",
-                              cuda_graphs=mode == "graphs", attention=attention or args.attention,
+                              cuda_graphs=mode == "graphs", attention=attention, fuse_decode=fused == "compile",
                               max_prefill_tokens=16384)
 
 
@@ -262,7 +266,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(1)
     result = {}
     batch_prompts = {}
-    print(f"{'batch':>5}  {'what':<19} {'tokens/s':>10} {'x hf':>6} {'warm s':>7} {'cold s':>7}", flush=True)
+    print(f"{'batch':>5}  {'what':<27} {'tokens/s':>10} {'x hf':>6} {'warm s':>7} {'cold s':>7}", flush=True)
     for batch in args.batches:
         prompts = torch.randint(0, model.cfg.vocab_size, (batch, args.prompt), generator=gen).to(device)
         batch_prompts[batch] = prompts
@@ -271,12 +275,14 @@ def main() -> int:
         if hf is not None:
             secs = run_hf(hf, prompts, args.new)
             hf_tps = tokens / secs
-            print(f"{batch:>5}  {'hf generate':<19} {hf_tps:>10.0f} {1.0:>6.2f} {secs:>7.2f} {'':>7}", flush=True)
+            print(f"{batch:>5}  {'hf generate':<27} {hf_tps:>10.0f} {1.0:>6.2f} {secs:>7.2f} {'':>7}", flush=True)
             result[f"hf_tok_s_{batch}"] = round(hf_tps)
         todo = [("engine", main_mode, 0.0, None), ("engine T=1", main_mode, 1.0, None)]
         if args.variants:
             todo += [(f"engine {other}", main_mode, 0.0, other) for other in sorted(ATTENTION)
                      if other != args.attention and (other != "flash_varlen" or device.type == "cuda" or args.tiny)]
+            todo += [(f"engine {a}+compile", main_mode, 0.0, f"{a}+compile")
+                     for a in dict.fromkeys([args.attention] + (["flash_varlen"] if device.type == "cuda" else []))]
             todo += [("engine gather", "gather", 0.0, None)]
             if main_mode == "graphs":
                 todo.insert(-1, ("engine eager", "eager", 0.0, None))
@@ -284,8 +290,8 @@ def main() -> int:
             warm, cold = run_engine(model, args, prompts, mode, temperature, attention)
             tps = tokens / warm
             ratio = tps / hf_tps if hf_tps else float("nan")
-            print(f"{batch:>5}  {what:<19} {tps:>10.0f} {ratio:>6.2f} {warm:>7.2f} {cold:>7.2f}", flush=True)
-            key = what.replace(" ", "_").replace("=", "").lower()
+            print(f"{batch:>5}  {what:<27} {tps:>10.0f} {ratio:>6.2f} {warm:>7.2f} {cold:>7.2f}", flush=True)
+            key = what.replace(" ", "_").replace("=", "").replace("+", "_").lower()
             result[f"{key}_tok_s_{batch}"] = round(tps)
             if what == "engine" and hf_tps:
                 result[f"ratio_{batch}"] = round(ratio, 2)

@@ -45,7 +45,12 @@ def test_runs_take_a_decode_attention_and_an_async_ratio_is_over_the_sync_run_wi
     results = dict(zip(runs[:2], ["sdpa's sync", "flash's sync"]))
     assert baseline(results, runs[3]) == "flash's sync" and baseline(results, runs[2]) == "sdpa's sync"
     assert baseline({runs[1]: "flash's sync"}, runs[2]) == "flash's sync"  # none with its attention: the first
-    for bad in ("async:2::::flash", "async:x", "async:2:true:bound:arrival:sdpa:more"):
+    compiled = parse_runs(argparse.Namespace(**{**vars(args), "runs": ["sync:::::+compile", "async:2::::flash_varlen+compile"]}))
+    assert [r.attention for r in compiled] == ["sdpa+compile", "flash_varlen+compile"]
+    assert [r.name for r in compiled] == ["sync_sdpa_compile", "async_s2_drop_flash_varlen_compile"]  # no '+' in a file name
+    assert baseline({runs[0]: "sdpa's sync", compiled[0]: "compiled sync"}, Run("async", 2, True, attention="sdpa+compile")) \
+        == "compiled sync"
+    for bad in ("async:2::::flash", "async:x", "async:2:true:bound:arrival:sdpa:more", "sync:::::sdpa+fuse"):
         with pytest.raises(SystemExit, match="MODE"):
             parse_runs(argparse.Namespace(**{**vars(args), "runs": [bad]}))
 

@@ -90,6 +90,32 @@ def test_flash_varlen_reads_each_rows_own_keys_as_the_masked_attention_does(devi
     assert not torch.allclose(varlen(q, k2, v, bucket, prepared)[0], got[0])
 
 
+@pytest.mark.parametrize("cfg", [TINY_QWEN2, TINY_QWEN3], ids=["qwen2", "qwen3"])
+def test_fused_decode_step_gives_the_unfused_steps_tokens_and_logprobs(cfg):
+    """rollout_engine.decode_compile: the residual adds with their RMSNorms, the rotary embedding (with
+    Qwen3's q/k norms) and SiLU x up as torch.compile's fused kernels compute what the modules do."""
+    model = _model(cfg)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # norms other than ones, so a weight in the wrong place shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.5 * torch.randn(p.shape, generator=gen))
+    reqs = lambda: [_req(k, p, 20, temperature=0.9) for k, p in PROMPTS.items()]  # noqa: E731
+    fused_engine = _engine(model, fuse_decode=True)
+    fused, plain = _run(fused_engine, reqs()), _run(_engine(model), reqs())
+    assert fused_engine.fast.fuse
+    for k in PROMPTS:
+        assert fused[k].output_ids.tolist() == plain[k].output_ids.tolist(), k
+        np.testing.assert_allclose(fused[k].logprobs, plain[k].logprobs, atol=1e-5)
+
+
+def test_fused_decode_refuses_a_model_whose_norms_it_does_not_compute():
+    model = _model()
+    model.model.norm = torch.nn.LayerNorm(model.cfg.hidden_size)
+    with pytest.raises(ValueError, match="decode fusion computes areal_bus.modeling.RMSNorm"):
+        _engine(model, fuse_decode=True)
+
+
 def test_flash_varlen_that_reads_past_a_rows_position_is_refused_before_any_decode(monkeypatch):
     """The decoder checks flash_varlen against the masked attention when it is made: a kernel that
     ignored each row's key count (here: attends the whole bucket) refuses to start, naming the gap."""
@@ -224,8 +250,9 @@ QWEN_HEADS = TINY_QWEN2 | {"vocab_size": 2048, "hidden_size": 896, "intermediate
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("attention", ["sdpa", "matmul", "flash_varlen"])
-def test_cuda_graph_bf16_logprobs_match_full_forward_as_closely_as_the_gather_path(attention):
+@pytest.mark.parametrize("attention, fuse", [("sdpa", False), ("matmul", False), ("flash_varlen", False),
+                                             ("sdpa", True), ("flash_varlen", True)])
+def test_cuda_graph_bf16_logprobs_match_full_forward_as_closely_as_the_gather_path(attention, fuse):
     model = make_random_model(QWEN_HEADS, seed=0, device="cuda", dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 2048, (int(n),), generator=gen).tolist()
@@ -234,7 +261,8 @@ def test_cuda_graph_bf16_logprobs_match_full_forward_as_closely_as_the_gather_pa
 
     def worst(static):
         engine = TorchRolloutEngine(model, max_batch=16, max_len=640, dtype=torch.bfloat16, device="cuda",
-                                    eos_token_ids=[], attention=attention, static_decode=static)
+                                    eos_token_ids=[], attention=attention, static_decode=static,
+                                    fuse_decode=fuse and static)
         out = _run(engine, reqs)
         return max(float(np.abs(out[r.request_id].logprobs
                                 - _full_logprobs(model, r.prompt_ids, out[r.request_id], 1.0)).max()) for r in reqs)

@@ -20,6 +20,16 @@ once in a CUDA graph and replayed with a single launch:
   copies of the model's parameters: ``refresh()`` (the engine calls it after every weight swap)
   copies them again, in place, because a captured graph holds their addresses.
 
+- ``fuse`` (rollout_engine.decode_compile): the step's elementwise work between the matmuls (each RMSNorm
+  with the residual add before it, the rotary embedding of q and k with Qwen3's q/k norms, SiLU x up)
+  runs as kernels torch.compile fuses, each piece compiled once for every batch size (``dynamic``) and
+  captured in the graphs like any kernel. Eager, one RMSNorm is seven kernels and the rotary embedding
+  five per tensor: ~35 kernels a layer, where the step's weights and matmuls need far less time than
+  launching and running that many small kernels one after another. Fused, ~12. The pieces compute what
+  the model's modules do, in the same order and with the same casts (``emulate_precision_casts``), so
+  the logits agree with the unfused step to rounding. It needs torch.compile's toolchain (Triton on
+  CUDA, a C++ compiler on CPU) and costs a few seconds of compiling when the first graph is captured.
+
 Prefill stays outside the graphs (the engine's batched, right-padded prefill through the model).
 Sampling is ``sample``: batched on the device, one transfer to the host per step.
 
@@ -40,15 +50,50 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
 
-from areal_bus.modeling import CausalLM, KVCache, apply_rope, rope_cos_sin, scaled_logits
+from areal_bus.modeling import CausalLM, KVCache, RMSNorm, apply_rope, rope_cos_sin, scaled_logits
 
 # The smallest length bucket: below it attention costs nothing next to the weights, and fewer
 # buckets mean fewer graphs to capture.
 MIN_LEN_BUCKET = 256
+
+
+def _rms(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``RMSNorm.forward`` (modeling.py), step for step: normalise in float32, cast back, then the weight."""
+    f = h.float()
+    return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
+def _add_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The residual stream ``x + delta`` and its RMSNorm: one fused kernel."""
+    x = x + delta
+    return x, _rms(x, weight, eps)
+
+
+def _rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def _norm_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float):
+    """Qwen3: each head's queries and keys normalised, then rotated."""
+    return apply_rope(_rms(q, q_weight, eps), cos, sin), apply_rope(_rms(k, k_weight, eps), cos, sin)
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@functools.cache
+def _fused(fn):
+    """``fn`` compiled once per process for every batch size; the casts to the model's dtype kept where
+    the eager modules make them, so fused and eager agree to rounding."""
+    return torch.compile(fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
 
 
 def buckets(limit: int, first: int, per_doubling: int) -> list[int]:
@@ -146,12 +191,14 @@ class StaticDecoder:
     "matmul" (two batched matmuls, the same) or "flash_varlen" (FlashAttention-2's varlen kernel over each
     row's own length: ``_attend_flash_varlen``; bfloat16 or float16 on CUDA, plain torch on CPU; checked
     against the masked call once, here, before any decode).
+    ``fuse``: the elementwise work between the matmuls as torch.compile's fused kernels (the module
+    docstring).
     ``batch_buckets`` / ``len_buckets``: the padded shapes (default: 4 per doubling of the batch,
     2 per doubling of the length from ``MIN_LEN_BUCKET``).
     """
 
     def __init__(self, model: CausalLM, cache: KVCache, graphs: bool = False, attention: str = "sdpa",
-                 batch_buckets: list[int] | None = None, len_buckets: list[int] | None = None):
+                 fuse: bool = False, batch_buckets: list[int] | None = None, len_buckets: list[int] | None = None):
         cfg = model.cfg
         self.model, self.cache, self.cfg = model, cache, cfg
         self.device, self.dtype = cache.k.device, cache.k.dtype
@@ -168,6 +215,14 @@ class StaticDecoder:
             raise ValueError("attention 'flash_varlen' addresses the cache with int32 offsets: max_batch x kv heads "
                              "x max_len must stay below 2^31")
         self.prepare, self.attend = ATTENTION[attention]
+        self.fuse = fuse
+        if fuse:
+            layers = model.model.layers
+            norms = [model.model.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+            if cfg.qk_norm:
+                norms += [n for layer in layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
+            if not all(type(n) is RMSNorm for n in norms):
+                raise ValueError("decode fusion computes areal_bus.modeling.RMSNorm; this model has other norms")
         self.batch_buckets = sorted(batch_buckets or buckets(self.max_batch, 1, 4))
         self.len_buckets = sorted(len_buckets or buckets(self.max_len, min(MIN_LEN_BUCKET, self.max_len), 2))
         if self.batch_buckets[-1] != self.max_batch or self.len_buckets[-1] != self.max_len:
@@ -290,6 +345,8 @@ class StaticDecoder:
 
     def _forward(self, b: int, length: int) -> None:
         """One decode step for rows 0..b-1 reading keys 0..length-1: logits into ``self.logits[:b]``."""
+        if self.fuse:
+            return self._forward_fused(b, length)
         model, cache = self.model, self.cache
         h_, kv, d = self.heads, self.kv_heads, self.head_dim
         ids, pos = self.io[:b, 0], self.io[:b, 1]
@@ -314,6 +371,41 @@ class StaticDecoder:
                 gate, up = F.linear(layer.post_attention_layernorm(x), self.w_gate_up[i]).chunk(2, dim=-1)
                 x = x + layer.mlp.down_proj(F.silu(gate) * up)
         torch.mm(model.model.norm(x), model.lm_head.weight.t(), out=self.logits[:b])
+
+    def _forward_fused(self, b: int, length: int) -> None:
+        """``_forward`` with each residual add and the RMSNorm after it, the rotary embedding (with
+        Qwen3's q/k norms) and SiLU x up as fused kernels: the same arithmetic, fewer kernels."""
+        model, cache = self.model, self.cache
+        h_, kv, d = self.heads, self.kv_heads, self.head_dim
+        add_norm, silu_mul = _fused(_add_norm), _fused(_silu_mul)
+        rope = _fused(_norm_rope_qk if self.cfg.qk_norm else _rope_qk)
+        ids, pos = self.io[:b, 0], self.io[:b, 1]
+        x = model.model.embed_tokens(ids)  # [b, hidden]
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [b, 1, d]
+        prepared = self.prepare(self, pos, length)
+        write_at = pos.view(b, 1, 1, 1).expand(b, kv, 1, d)
+        delta = torch.zeros_like(x)  # what the previous layer adds to the stream (none before the first)
+        with self._sdpa_backends():
+            for i, layer in enumerate(model.model.layers):
+                attn, norm = layer.self_attn, layer.input_layernorm
+                x, h = add_norm(x, delta, norm.weight, norm.eps)
+                qkv = F.linear(h, self.w_qkv[i], self.b_qkv[i])
+                q, k, v = qkv.split(self.splits, dim=-1)
+                q, k = q.view(b, h_, d), k.view(b, kv, d)
+                if attn.qk_norm:
+                    q, k = rope(q, k, cos, sin, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
+                else:
+                    q, k = rope(q, k, cos, sin)
+                k_cache, v_cache = cache.k[i, :b], cache.v[i, :b]
+                k_cache.scatter_(2, write_at, k[:, :, None])
+                v_cache.scatter_(2, write_at, v.reshape(b, kv, 1, d))
+                o = self.attend(q.view(b, kv, h_ // kv, d), k_cache, v_cache, length, prepared)
+                norm = layer.post_attention_layernorm
+                x, h = add_norm(x, attn.o_proj(o.reshape(b, h_ * d)), norm.weight, norm.eps)
+                delta = layer.mlp.down_proj(silu_mul(F.linear(h, self.w_gate_up[i])))
+            norm = model.model.norm
+            _, h = add_norm(x, delta, norm.weight, norm.eps)
+        torch.mm(h, model.lm_head.weight.t(), out=self.logits[:b])
 
     def _sdpa_backends(self):
         # With a mask, flash attention is out; keep cuDNN out too (it builds a plan per shape and its

@@ -137,7 +137,8 @@ def _torch_engine(topo, worker: str, replica: int, base, log=None) -> BuiltRollo
         reader, load_weights = far
     engine = TorchRolloutEngine(path, max_batch=cfg.max_batch, max_len=cfg.max_len, device=topo.model.device,
                                 dtype=topo.model.dtype, seed=topo.model.seed * 1000 + replica, worker=worker,
-                                weight_loader=load_weights, attention=cfg.decode_attention)
+                                weight_loader=load_weights, attention=cfg.decode_attention,
+                                fuse_decode=cfg.decode_compile)
 
     def release_upto(version: int) -> None:
         # The engine copies weights into its own parameters at the swap: older buffers are free now.

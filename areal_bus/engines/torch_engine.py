@@ -90,7 +90,8 @@ class TorchRolloutEngine:
 
     ``static_decode`` (None: on CUDA only) decodes through ``cuda_decode.StaticDecoder``;
     ``cuda_graphs`` (None: whenever the static path runs on CUDA) replays its steps as CUDA graphs;
-    ``attention`` ("sdpa" or "matmul") is its attention kernel; ``decode_buckets`` (batch sizes,
+    ``attention`` ("sdpa", "matmul" or "flash_varlen") is its attention kernel; ``fuse_decode`` fuses the
+    step's elementwise work with torch.compile (rollout_engine.decode_compile); ``decode_buckets`` (batch sizes,
     lengths) its padded shapes (None: its defaults).
 
     ``prefill_every`` (None: 8 on the static path, 1 otherwise): while sequences are decoding, a few
@@ -107,7 +108,7 @@ class TorchRolloutEngine:
                  weight_loader: Callable[[str], dict[str, torch.Tensor]] | None = None,
                  version: int = 0, recompute_kv_on_swap: bool = False, max_prefill_tokens: int = 8192,
                  static_decode: bool | None = None, cuda_graphs: bool | None = None, attention: str = "sdpa",
-                 decode_buckets: tuple[list[int], list[int]] | None = None, prefill_every: int | None = None):
+                 fuse_decode: bool = False, decode_buckets: tuple[list[int], list[int]] | None = None, prefill_every: int | None = None):
         self.device = torch.device(device)
         dtype = as_dtype(dtype)
         if isinstance(model, (str, Path)):
@@ -131,7 +132,7 @@ class TorchRolloutEngine:
             cuda_graphs = static_decode and self.device.type == "cuda"
         batch_buckets, len_buckets = decode_buckets or (None, None)
         self.fast = (StaticDecoder(self.model, self.cache, graphs=cuda_graphs, attention=attention,
-                                   batch_buckets=batch_buckets, len_buckets=len_buckets)
+                                   fuse=fuse_decode, batch_buckets=batch_buckets, len_buckets=len_buckets)
                      if static_decode else None)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.steps = 0
