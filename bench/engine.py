@@ -40,6 +40,8 @@ Run:  python3 bench/engine.py                          (CUDA host: about 2 minut
       python3 bench/engine.py --no-hf --vllm --new 2048 --batches 256      (the long-output shape)
       python3 bench/engine.py --variants               (+ the other attentions, eager and gather rows)
       python3 bench/engine.py --no-hf --longtail --batches 256 --variants   (long-tailed lengths)
+      python3 bench/engine.py --no-hf --longtail --batches 256 --variants --rows engine 'engine flash_varlen' \
+          'engine sdpa+compile' 'engine flash_varlen+compile'          (the attentions and fusion alone)
       .venv/bin/python bench/engine.py --tiny --device cpu     (anywhere: a tiny model, end to end)
 
 The last line is ``RESULT ...`` with tokens/s, the ratios to HF, and the logprob gaps; the target is
@@ -235,6 +237,8 @@ def main() -> int:
     ap.add_argument("--variants", action="store_true", help="add the other attentions, eager and gather rows")
     ap.add_argument("--longtail", action="store_true", help="new tokens per row drawn as the headline's (lognormal "
                     "median 500, 200..3,000), not --new for every row; no HF row")
+    ap.add_argument("--rows", nargs="+", default=None, help="only these rows, by name (e.g. engine 'engine "
+                    "sdpa+compile'); default all that the other flags ask for")
     ap.add_argument("--no-graphs", action="store_true", help="the engine row without CUDA graphs")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (ratios are then not printed)")
     ap.add_argument("--shape", default="0.5b", choices=sorted(SHAPES), help="the model body (random weights)")
@@ -286,6 +290,8 @@ def main() -> int:
             todo += [("engine gather", "gather", 0.0, None)]
             if main_mode == "graphs":
                 todo.insert(-1, ("engine eager", "eager", 0.0, None))
+        if args.rows:
+            todo = [t for t in todo if t[0] in args.rows]
         for what, mode, temperature, attention in todo:
             warm, cold = run_engine(model, args, prompts, mode, temperature, attention)
             tps = tokens / warm

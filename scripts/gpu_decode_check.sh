@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The torch engine's decode attention on the GPU host, in one command (issue 15, item 3): the gpu-marked tests of
 # tests/test_cuda_decode.py (FlashAttention's varlen kernel against the masked attention, CUDA-graph capture, bf16
-# at the 0.5B head shapes), then bench/engine.py on the headline's long-tailed lengths at batch 256 with every
-# attention (sdpa, matmul, flash_varlen) and the eager and gather rows.
+# at the 0.5B head shapes, the fused step), then bench/engine.py on the headline's long-tailed lengths at batch 256:
+# sdpa and flash_varlen, each unfused and fused (rollout_engine.decode_compile).
 #
 # Needs the bus's wheels in /tmp/site (scripts/gpu_smollm2.sh or scripts/gpu_headline.sh installs them) or
 # importable otherwise. Run from the repository root:  bash scripts/gpu_decode_check.sh
@@ -15,6 +15,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 rc=0
 timeout 240 python3 -m pytest -q --noconftest -p no:cacheprovider -m gpu tests/test_cuda_decode.py 2>&1 \
     | tee "$OUT/cuda_decode_tests.log" || rc=1
-timeout "${ENGINE_TIMEOUT:-300}" python3 bench/engine.py --no-hf --longtail --batches 256 --variants 2>&1 \
+timeout "${ENGINE_TIMEOUT:-300}" python3 bench/engine.py --no-hf --longtail --batches 256 --variants \
+    --rows engine "engine flash_varlen" "engine sdpa+compile" "engine flash_varlen+compile" 2>&1 \
     | tee "$OUT/engine_longtail.log" || rc=1
 exit "$rc"
