@@ -42,6 +42,7 @@ Run:  python3 bench/engine.py                          (CUDA host: about 2 minut
       python3 bench/engine.py --no-hf --longtail --batches 256 --variants   (long-tailed lengths)
       python3 bench/engine.py --no-hf --longtail --batches 256 --variants --rows engine 'engine flash_varlen' \
           'engine sdpa+compile' 'engine flash_varlen+compile'          (the attentions and fusion alone)
+      ... --profile        (then each row's decode step: replay time, kernels a step, their device time)
       .venv/bin/python bench/engine.py --tiny --device cpu     (anywhere: a tiny model, end to end)
 
 The last line is ``RESULT ...`` with tokens/s, the ratios to HF, and the logprob gaps; the target is
@@ -189,6 +190,53 @@ def run_engine(model, args, prompts: torch.Tensor, mode: str, temperature: float
     return warm, cold
 
 
+@torch.inference_mode()
+def profile_step(model, args, batch: int, attention: str | None) -> dict:
+    """Where one decode step's time goes, for ``batch`` rows half-way through the long tail (each row at
+    prompt + half its drawn length; the longest sets the length bucket): the step as the engine runs it
+    (a CUDA graph replay on CUDA; median of 20, CUDA events), and the same step run eagerly under
+    torch.profiler: its kernels (ops on CPU) per step, their summed device time, and the heaviest kinds.
+    Device time well under the replay's says the step waits between small kernels, not in them."""
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    engine = make_engine(model, args, batch, "graphs" if cuda and not args.no_graphs else "eager", attention)
+    fast = engine.fast
+    gen = torch.Generator().manual_seed(2)
+    slots = list(range(batch))
+    ids = torch.randint(0, model.cfg.vocab_size, (batch,), generator=gen).tolist()
+    positions = [min(args.prompt + n // 2, engine.max_len - 2) for n in longtail_lengths(batch)]
+    for _ in range(3):  # capture (and compile) first
+        fast.decode(slots, ids, positions)
+    sync(device)
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        fast.decode(slots, ids, positions)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    b = fast.batch_buckets[np.searchsorted(fast.batch_buckets, batch)]
+    length = fast.len_buckets[np.searchsorted(fast.len_buckets, max(positions) + 1)]
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    activities = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
+    reps = 3
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(reps):
+            fast._forward(b, length)
+        sync(device)
+    # On CUDA the device events are the kernels (and copies); on CPU the top-level aten ops stand for them.
+    events = [e for e in prof.events() if e.device_type == kind and (cuda or (e.cpu_parent is None
+                                                                             and e.name.startswith("aten::")))]
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e.name, []).append(e.device_time if cuda else e.cpu_time)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:6]
+    del engine, fast
+    free(device)
+    return {"step_ms": float(np.median(times)) * 1e3, "bucket": (b, length), "kernels": len(events) / reps,
+            "kernel_ms": sum(sum(v) for v in by_name.values()) / reps / 1e3,
+            "top": [(name, sum(v) / reps / 1e3, len(v) // reps) for name, v in top]}
+
+
 def logprob_gaps(model, hf, args, prompts: torch.Tensor, mode: str) -> dict[str, float]:
     """The engine's recorded logprobs (temperature 1) vs full forward passes of prompt + output."""
     engine = make_engine(model, args, len(prompts), mode)
@@ -239,6 +287,8 @@ def main() -> int:
                     "median 500, 200..3,000), not --new for every row; no HF row")
     ap.add_argument("--rows", nargs="+", default=None, help="only these rows, by name (e.g. engine 'engine "
                     "sdpa+compile'); default all that the other flags ask for")
+    ap.add_argument("--profile", action="store_true", help="after the rows: where one decode step's time goes, "
+                    "for each engine row's attention at the largest batch (profile_step)")
     ap.add_argument("--no-graphs", action="store_true", help="the engine row without CUDA graphs")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (ratios are then not printed)")
     ap.add_argument("--shape", default="0.5b", choices=sorted(SHAPES), help="the model body (random weights)")
@@ -301,6 +351,19 @@ def main() -> int:
             result[f"{key}_tok_s_{batch}"] = round(tps)
             if what == "engine" and hf_tps:
                 result[f"ratio_{batch}"] = round(ratio, 2)
+    if args.profile:
+        batch = max(args.batches)
+        unit = "kernels" if device.type == "cuda" else "ops"
+        for what, _, _, attention in dict.fromkeys((t for t in todo if t[1] == main_mode and t[2] == 0.0)):
+            p = profile_step(model, args, batch, attention)
+            print(f"profile {what} at batch {batch}, bucket {p['bucket']}: step {p['step_ms']:.2f} ms "
+                  f"({'graph replay' if main_mode == 'graphs' else 'eager'}); eager {p['kernels']:.0f} {unit} a step, "
+                  f"{p['kernel_ms']:.2f} ms of device time", flush=True)
+            for name, ms, count in p["top"]:
+                print(f"    {ms:>7.3f} ms  {count:>4} x  {name[:90]}", flush=True)
+            key = what.replace(" ", "_").replace("+", "_").lower()
+            result |= {f"{key}_step_ms": round(p["step_ms"], 2), f"{key}_kernels": round(p["kernels"]),
+                       f"{key}_kernel_ms": round(p["kernel_ms"], 2)}
     lp_prompts = torch.randint(0, model.cfg.vocab_size, (LOGPROB_BATCH, args.prompt), generator=gen).to(device)
     if args.vllm:
         free(device)
