@@ -55,6 +55,7 @@ import json
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -372,9 +373,20 @@ def bench(args, runs: list[Run], work: Path) -> int:
           f"{'<half':>5s}  {'dropped':>12s} {'over_bound':>10s} {'gen tok/s idle/train':>20s}  staleness histogram "
           f"(counted updates)", flush=True)
     results: dict[Run, Summary] = {}
+    failed = []
     for run in runs:
         t0 = time.monotonic()
-        logs = run_logged(topology(work / "model", run, args), run.name, args.keep_logs, timeout=args.timeout)
+        try:
+            logs = run_logged(topology(work / "model", run, args), run.name, args.keep_logs, timeout=args.timeout)
+        except subprocess.TimeoutExpired:  # run_logged has stopped its system; the other runs still go
+            print(f"{run.label:28s} not finished after --timeout {args.timeout:.0f} s: stopped, no row (a synchronous "
+                  f"run waits for each batch's longest output: give it more time)", flush=True)
+            failed.append(run)
+            continue
+        except RuntimeError as e:  # the run ended badly (a node crash-looping, a stall): its reason, then the rest
+            print(f"{run.label:28s} failed: {e}", flush=True)
+            failed.append(run)
+            continue
         results[run] = s = summarise(logs, args.skip)
         if args.save is not None:
             args.save.mkdir(parents=True, exist_ok=True)
@@ -404,8 +416,9 @@ def bench(args, runs: list[Run], work: Path) -> int:
         first = next((s for r, s in results.items() if r.mode == "async"), None)
         if first is not None:
             fields += [f"async_sps={first.sps:.2f}", f"sync_sps={sync.sps:.2f}", f"ratio={first.sps / sync.sps:.2f}"]
+    fields += [f"failed={','.join(r.name for r in failed)}"] if failed else []
     print("RESULT " + " ".join(fields))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

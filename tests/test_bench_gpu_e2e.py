@@ -71,3 +71,20 @@ def test_the_cpu_smoke_run_prints_a_runs_row_and_its_running_batch_over_time():
         assert bar[0] == bar[-1] == "|" and set(bar[1:-1]) <= set("▁▂▃▄▅▆▇█."), out.stdout
         assert "^" in lines[row + 3], out.stdout  # the counted updates' ends
     assert lines[-1].startswith("RESULT ") and "async_s2_drop_sps=" in lines[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_run_past_its_timeout_is_stopped_and_reported_and_the_next_run_still_goes():
+    """A run that outlives --timeout (a GPU call's RUN_TIMEOUT set too short for a synchronous run) says so
+    in its row, its system is stopped, and the runs after it still run; the exit status says one failed."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_e2e.py"), "--shape", "tiny", "--device", "cpu",
+                          "--workload", "longtail", "--batch", "16", "--steps", "50", "--skip", "1", "--median", "24",
+                          "--min-len", "8", "--max-len", "96", "--timeout", "4", "--runs", "sync", "async:2:true"],
+                         capture_output=True, text=True, timeout=190, cwd=ROOT)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = out.stdout.splitlines()
+    assert any(x.startswith("sync ") and "not finished after --timeout 4 s: stopped, no row" in x for x in lines), out.stdout
+    assert any(x.startswith("async s2 drop ") and "not finished" in x for x in lines), out.stdout  # it was tried too
+    assert lines[-1].startswith("RESULT ") and "failed=sync,async_s2_drop" in lines[-1], out.stdout
