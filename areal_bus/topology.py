@@ -232,8 +232,8 @@ class RolloutEngineConfig(_Strict):
         "row's own length with FlashAttention-2's varlen kernel, torch's own build: on long-tailed outputs "
         "most rows are far shorter than the longest; 'matmul' two batched matmuls (a reference).")
     decode_compile: bool = Field(False, description="torch on CUDA: fuse the decode step's elementwise work (RMSNorms with "
-                                 "their residual adds, rotary embedding, SiLU x up) with torch.compile: ~12 kernels a "
-                                 "layer instead of ~35, the same arithmetic. Needs torch.compile with Triton; "
+                                 "their residual adds, rotary embedding, SiLU x up) with torch.compile: ~13 kernels a "
+                                 "layer instead of ~38, the same arithmetic. Needs torch.compile with Triton; "
                                  "a few seconds of compiling at the first decode step.")
     decode_step_s: float = Field(0.001, ge=0, le=10, description="sim: time of one decode step at batch 1. "
                                  "Memory-bound GPU decode is nearly flat in batch size.")

@@ -24,11 +24,12 @@ once in a CUDA graph and replayed with a single launch:
   with the residual add before it, the rotary embedding of q and k with Qwen3's q/k norms, SiLU x up)
   runs as kernels torch.compile fuses, each piece compiled once for every batch size (``dynamic``) and
   captured in the graphs like any kernel. Eager, one RMSNorm is seven kernels and the rotary embedding
-  five per tensor: ~35 kernels a layer, where the step's weights and matmuls need far less time than
-  launching and running that many small kernels one after another. Fused, ~12. The pieces compute what
-  the model's modules do, in the same order and with the same casts (``emulate_precision_casts``), so
-  the logits agree with the unfused step to rounding. It needs torch.compile's toolchain (Triton on
-  CUDA, a C++ compiler on CPU) and costs a few seconds of compiling when the first graph is captured.
+  five per tensor, each reading and writing the activations: ~38 kernels a layer; fused, ~13. On one H100
+  at batch 256 (0.5B shape) that took 1.4-1.6 ms of device time off a step of 4.7-7.6 ms (bench/RESULTS.md).
+  The pieces compute what the model's modules do, in the same order and with the same casts
+  (``emulate_precision_casts``), so the logits agree with the unfused step to rounding. It needs
+  torch.compile's toolchain (Triton on CUDA, a C++ compiler on CPU) and costs a few seconds of compiling
+  when the first graph is captured (8 s on that H100, graph captures included).
 
 Prefill stays outside the graphs (the engine's batched, right-padded prefill through the model).
 Sampling is ``sample``: batched on the device, one transfer to the host per step.
