@@ -194,7 +194,7 @@ def run_engine(model, args, prompts: torch.Tensor, mode: str, temperature: float
 def profile_step(model, args, batch: int, attention: str | None) -> dict:
     """Where one decode step's time goes, for ``batch`` rows half-way through the long tail (each row at
     prompt + half its drawn length; the longest sets the length bucket): the step as the engine runs it
-    (a CUDA graph replay on CUDA; median of 20, CUDA events), and the same step run eagerly under
+    (a CUDA graph replay on CUDA; median of 20, wall time to a device sync), and the same step run eagerly under
     torch.profiler: its kernels (ops on CPU) per step, their summed device time, and the heaviest kinds.
     Device time well under the replay's says the step waits between small kernels, not in them."""
     device = torch.device(args.device)
