@@ -219,7 +219,8 @@ class StaticDecoder:
         self.fuse = fuse
         if fuse:
             layers = model.model.layers
-            norms = [model.model.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+            norms = [model.model.norm] + [n for layer in layers
+                                          for n in (layer.input_layernorm, layer.post_attention_layernorm)]
             if cfg.qk_norm:
                 norms += [n for layer in layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
             if not all(type(n) is RMSNorm for n in norms):

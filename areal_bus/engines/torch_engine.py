@@ -108,7 +108,8 @@ class TorchRolloutEngine:
                  weight_loader: Callable[[str], dict[str, torch.Tensor]] | None = None,
                  version: int = 0, recompute_kv_on_swap: bool = False, max_prefill_tokens: int = 8192,
                  static_decode: bool | None = None, cuda_graphs: bool | None = None, attention: str = "sdpa",
-                 fuse_decode: bool = False, decode_buckets: tuple[list[int], list[int]] | None = None, prefill_every: int | None = None):
+                 fuse_decode: bool = False, decode_buckets: tuple[list[int], list[int]] | None = None,
+                 prefill_every: int | None = None):
         self.device = torch.device(device)
         dtype = as_dtype(dtype)
         if isinstance(model, (str, Path)):
