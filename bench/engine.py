@@ -164,6 +164,11 @@ def generate(engine: TorchRolloutEngine, reqs: list[GenerateRequest]) -> tuple[f
     return time.perf_counter() - t0, out
 
 
+def row_key(what: str) -> str:
+    """A row's name as a RESULT key: "engine sdpa+compile" -> engine_sdpa_compile, "engine T=1" -> engine_t1."""
+    return what.replace(" ", "_").replace("=", "").replace("+", "_").lower()
+
+
 def make_engine(model, args, batch: int, mode: str, attention: str | None = None) -> TorchRolloutEngine:
     # A round cache length keeps the length buckets multiples of 128 (the fused attention kernel
     # wants the mask's length a multiple of 16, or pads it).
@@ -347,8 +352,7 @@ def main() -> int:
             tps = tokens / warm
             ratio = tps / hf_tps if hf_tps else float("nan")
             print(f"{batch:>5}  {what:<27} {tps:>10.0f} {ratio:>6.2f} {warm:>7.2f} {cold:>7.2f}", flush=True)
-            key = what.replace(" ", "_").replace("=", "").replace("+", "_").lower()
-            result[f"{key}_tok_s_{batch}"] = round(tps)
+            result[f"{row_key(what)}_tok_s_{batch}"] = round(tps)
             if what == "engine" and hf_tps:
                 result[f"ratio_{batch}"] = round(ratio, 2)
     if args.profile:
@@ -361,7 +365,7 @@ def main() -> int:
                   f"{p['kernel_ms']:.2f} ms of device time", flush=True)
             for name, ms, count in p["top"]:
                 print(f"    {ms:>7.3f} ms  {count:>4} x  {name[:90]}", flush=True)
-            key = what.replace(" ", "_").replace("+", "_").lower()
+            key = row_key(what)
             result |= {f"{key}_step_ms": round(p["step_ms"], 2), f"{key}_kernels": round(p["kernels"]),
                        f"{key}_kernel_ms": round(p["kernel_ms"], 2)}
     lp_prompts = torch.randint(0, model.cfg.vocab_size, (LOGPROB_BATCH, args.prompt), generator=gen).to(device)

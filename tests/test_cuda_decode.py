@@ -22,6 +22,15 @@ SMALL = ([2, 4], [8, 16, 32, 64])
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def _perturb_norms(model, seed: int) -> None:
+    """Norm weights other than ones, so one in the wrong place (Qwen3's q norm on k, say) shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.5 * torch.randn(p.shape, generator=gen))
+
+
 def _engine(model, static=True, **kw):
     kw = {"max_batch": 4, "max_len": 64, "eos_token_ids": [], "static_decode": static,
           "decode_buckets": SMALL if static else None} | kw
@@ -32,11 +41,7 @@ def _engine(model, static=True, **kw):
                          ids=["qwen2", "llama", "qwen3", "llama3.1-rope", "mistral"])
 def test_static_greedy_equals_gather_path_and_naive_loop(cfg):
     model = _model(cfg)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():  # norms other than ones, so one in the wrong place (Qwen3's q norm on k) shows
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.5 * torch.randn(p.shape, generator=gen))
+    _perturb_norms(model, seed=5)
     reqs = lambda: [_req(k, p, 30) for k, p in PROMPTS.items()]  # noqa: E731
     static, gather = _run(_engine(model), reqs()), _run(_engine(model, static=False), reqs())
     for k, p in PROMPTS.items():
@@ -95,11 +100,7 @@ def test_fused_decode_step_gives_the_unfused_steps_tokens_and_logprobs(cfg):
     """rollout_engine.decode_compile: the residual adds with their RMSNorms, the rotary embedding (with
     Qwen3's q/k norms) and SiLU x up as torch.compile's fused kernels compute what the modules do."""
     model = _model(cfg)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():  # norms other than ones, so a weight in the wrong place shows
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.5 * torch.randn(p.shape, generator=gen))
+    _perturb_norms(model, seed=7)
     reqs = lambda: [_req(k, p, 20, temperature=0.9) for k, p in PROMPTS.items()]  # noqa: E731
     fused_engine = _engine(model, fuse_decode=True)
     fused, plain = _run(fused_engine, reqs()), _run(_engine(model), reqs())

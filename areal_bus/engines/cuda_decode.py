@@ -56,23 +56,17 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from areal_bus.modeling import CausalLM, KVCache, RMSNorm, apply_rope, rope_cos_sin, scaled_logits
+from areal_bus.modeling import CausalLM, KVCache, RMSNorm, apply_rope, rms_norm, rope_cos_sin, scaled_logits
 
 # The smallest length bucket: below it attention costs nothing next to the weights, and fewer
 # buckets mean fewer graphs to capture.
 MIN_LEN_BUCKET = 256
 
 
-def _rms(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``RMSNorm.forward`` (modeling.py), step for step: normalise in float32, cast back, then the weight."""
-    f = h.float()
-    return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
-
-
 def _add_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
     """The residual stream ``x + delta`` and its RMSNorm: one fused kernel."""
     x = x + delta
-    return x, _rms(x, weight, eps)
+    return x, rms_norm(x, weight, eps)
 
 
 def _rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -82,7 +76,7 @@ def _rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 def _norm_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float):
     """Qwen3: each head's queries and keys normalised, then rotated."""
-    return apply_rope(_rms(q, q_weight, eps), cos, sin), apply_rope(_rms(k, k_weight, eps), cos, sin)
+    return apply_rope(rms_norm(q, q_weight, eps), cos, sin), apply_rope(rms_norm(k, k_weight, eps), cos, sin)
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
