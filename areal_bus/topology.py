@@ -484,6 +484,13 @@ class Topology(_Strict):
         if self.rollout_engine.kind == "vllm" and not re.fullmatch(r"cuda(:0)?", self.model.device):
             raise ValueError(f"rollout_engine.kind 'vllm' runs on the first GPU the process sees: model.device "
                              f"must be 'cuda' (choose the GPU with CUDA_VISIBLE_DEVICES), got {self.model.device!r}")
+        tuned = [k for k, off in (("decode_attention", self.rollout_engine.decode_attention == "sdpa"),
+                                  ("decode_compile", not self.rollout_engine.decode_compile)) if not off]
+        if tuned and (self.rollout_engine.kind != "torch" or not self.model.device.startswith("cuda")):
+            raise ValueError(f"rollout_engine.{' and '.join(tuned)} tune the torch engine's decode step on a GPU "
+                             f"(CUDA graphs); with rollout_engine.kind {self.rollout_engine.kind!r} on model.device "
+                             f"{self.model.device!r} they would do nothing: set kind 'torch' and device 'cuda', "
+                             f"or leave them out")
         if (self.rollout_engine.decode_attention == "flash_varlen" and self.rollout_engine.kind == "torch"
                 and self.model.device.startswith("cuda") and self.model.dtype not in ("bfloat16", "float16")):
             raise ValueError(f"rollout_engine.decode_attention 'flash_varlen' runs FlashAttention, which takes "

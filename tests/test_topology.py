@@ -195,5 +195,11 @@ def test_flash_varlen_decode_wants_a_half_precision_model_on_a_gpu(write):
     assert "decode_attention 'flash_varlen'" in msg and "bfloat16 or float16" in msg and "'float32'" in msg
     assert load_topology(write(engines + "model: {device: cuda, dtype: bfloat16}\n")).rollout_engine.decode_attention \
         == "flash_varlen"
-    load_topology(write(engines + "model: {device: cpu}\n"))  # on CPU it is plain torch in any dtype
+    # the decode step's knobs act only on the torch engine's CUDA path: elsewhere they are refused, not ignored
+    msg = _error(write(engines + "model: {device: cpu}\n"))
+    assert "rollout_engine.decode_attention tune" in msg and "'cpu'" in msg
+    sim = "rollout_engine: {kind: sim, decode_attention: flash_varlen, decode_compile: true}\n"
+    assert "decode_attention and decode_compile" in _error(write(sim)) and "'sim'" in _error(write(sim))
+    assert load_topology(write("rollout_engine: {kind: torch, decode_compile: true}\ntrainer_engine: {kind: torch}\n"
+                               "agent: {framework: guess}\nmodel: {device: cuda}\n")).rollout_engine.decode_compile
     assert "'sdpa', 'matmul' or 'flash_varlen'" in _error(write("rollout_engine: {decode_attention: flash}\n"))
