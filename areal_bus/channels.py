@@ -1,8 +1,8 @@
 """Sockets and the two ways messages move on them.
 
 ``open_socket`` makes a socket with the options every channel needs (linger, high-water marks,
-IMMEDIATE on PUSH so nothing queues for a peer that is not connected, CURVE when the run uses it:
-see ``security``). ``Receiver`` decodes what
+IMMEDIATE on PUSH so nothing queues for a peer that is not connected, a bound on a frame's size, CURVE
+when the run uses it: see ``security``). ``Receiver`` decodes what
 arrives and counts, logs and drops anything malformed instead of raising. ``ReliableSender`` is the
 PUSH side of a data channel: it keeps every trajectory until the consumer acknowledges it, holds what
 ZeroMQ will not take (backpressure, visible in metrics) and resends what a restarted consumer lost.
@@ -17,7 +17,7 @@ from pathlib import Path
 import zmq
 
 from areal_bus.codec import DecodeError, Encoder, decode
-from areal_bus.constants import DROPS_PER_RECV, LINGER_MS, RESEND_AFTER_S
+from areal_bus.constants import DROPS_PER_RECV, LINGER_MS, MAX_FRAME_BYTES, RESEND_AFTER_S
 from areal_bus.metrics import Metrics
 from areal_bus.security import private_dir, secure
 
@@ -26,6 +26,7 @@ def open_socket(ctx: zmq.Context, stype: int, endpoint: str | list[str], *, bind
                 hwm: int | None = None, subscribe: tuple[bytes, ...] = (), identity: bytes | None = None) -> zmq.Socket:
     sock = ctx.socket(stype)
     sock.linger = LINGER_MS
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a bigger frame disconnects its sender, unbuffered
     if identity is not None:
         sock.identity = identity
     # A node's context carries the run's CURVE keys (security.bus_context): a socket that binds

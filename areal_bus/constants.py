@@ -15,6 +15,13 @@ MAX_FRAMES = 32
 MAX_HEADER_BYTES = 1 << 20
 """A msgpack header over 1 MiB is not one of ours (headers are small; bulk data rides in extra frames)."""
 
+MAX_FRAME_BYTES = 256 << 20
+"""The largest frame a socket takes (ZMQ_MAXMSGSIZE, set on every socket ``channels.open_socket`` makes): a
+peer that sends a bigger one is disconnected before the frame is buffered, so a garbled or hostile length
+prefix cannot make a node allocate gigabytes. Our largest frames are a weight chunk to another host
+(``weights_transfer.DEFAULT_CHUNK_BYTES``, 64 MiB, which must stay below this) and a trajectory's per-token
+array (at most ``rollout_engine.max_len`` <= 1,000,000 tokens of 8 bytes, 8 MB): 4x headroom."""
+
 DROPS_PER_RECV = 256
 """Malformed messages one ``Receiver.recv`` call drops (counting each) on its way to a good one. Callers
 read "nothing" as "nothing waiting" and go back to their poll, so without this a flood of junk would

@@ -25,6 +25,7 @@ import math
 import zlib
 from collections.abc import Iterator, Mapping
 
+from areal_bus.constants import MAX_FRAME_BYTES
 from areal_bus.weights_shm import (
     Layout,
     MappedSegment,
@@ -55,8 +56,8 @@ def chunk_frames(location: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     Raises VersionUnavailable if the location cannot be opened, or, at the end, if it was overwritten
     while the chunks were being cut.
     """
-    if chunk_bytes <= 0:
-        raise ValueError("chunk_bytes must be positive")
+    if not 0 < chunk_bytes <= MAX_FRAME_BYTES:  # the payload is one frame: it must pass every socket's bound
+        raise ValueError(f"chunk_bytes must be positive and at most {MAX_FRAME_BYTES} (got {chunk_bytes})")
     name, k, version = parse_location(location)
     seg = MappedSegment(segment_path(name, k), writable=False)
     state = seg.committed()

@@ -11,8 +11,10 @@ import pytest
 import zmq
 
 from areal_bus.channels import ReliableSender, Receiver, open_socket
-from areal_bus.codec import Encoder
+from areal_bus.codec import Encoder, decode
+from areal_bus.constants import MAX_FRAME_BYTES
 from areal_bus.metrics import Metrics
+from areal_bus.weights_transfer import DEFAULT_CHUNK_BYTES
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -83,6 +85,23 @@ def test_receiver_survives_a_garbage_flood_then_receives_a_valid_message(wide_pi
     got = _receive(receiver, 1)
     assert got[0][1].traj_id == "after-flood"
     assert sum(v for k, v in metrics.counters.items() if k.startswith("dropped.")) == 300
+
+
+def test_a_frame_over_the_size_bound_disconnects_its_sender_and_the_receiver_keeps_going(ctx, endpoint, make_traj,
+                                                                                          send_within):
+    pull = open_socket(ctx, zmq.PULL, endpoint("big"), bind=True, hwm=100)
+    assert pull.getsockopt(zmq.MAXMSGSIZE) == MAX_FRAME_BYTES
+    rogue = ctx.socket(zmq.PUSH)  # a raw socket: no size bound of its own, as a hostile peer's would be
+    rogue.connect(endpoint("big"))
+    send_within(rogue, [Encoder("x").encode(make_traj("too-big"))[0], bytes(MAX_FRAME_BYTES + 1)])
+    honest = open_socket(ctx, zmq.PUSH, endpoint("big"), bind=False, hwm=100)
+    assert honest.poll(5000, zmq.POLLOUT)
+    send_within(honest, Encoder("rollout-0").encode(make_traj("after-big")))
+    arrived = []
+    while pull.poll(1000, zmq.POLLIN):  # raw frames, so a big message dropped by decoding would show too
+        arrived.append(pull.recv_multipart(zmq.NOBLOCK, copy=False))
+    assert [decode(frames)[1].traj_id for frames in arrived] == ["after-big"]  # the big one never came in
+    assert MAX_FRAME_BYTES >= DEFAULT_CHUNK_BYTES  # the largest frame we send ourselves passes
 
 
 def test_receiver_logs_a_flood_of_one_reason_at_most_once_a_second(wide_pipe, log, make_traj, send_within):
