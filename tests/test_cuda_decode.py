@@ -87,6 +87,9 @@ def test_flash_varlen_reads_each_rows_own_keys_as_the_masked_attention_does(devi
     got = varlen(q, k, v, bucket, prepared)
     decoding = [0, 1, 2, 4]
     torch.testing.assert_close(got[decoding].float(), want[decoding].float(), atol=tol, rtol=tol)
+    one = prep_varlen(dec, pos[:1], bucket)  # one row: the kernel takes only contiguous key counts
+    assert one[2].tolist() == [4, 4] and one[2].is_contiguous()
+    torch.testing.assert_close(varlen(q[:1], k[:1], v[:1], bucket, one).float(), want[:1].float(), atol=tol, rtol=tol)
     # a key past a row's position changes nothing; one within it does
     k2 = k.clone()
     k2[0, :, 4:] += 100.0
@@ -138,12 +141,14 @@ def test_decode_attention_is_checked_when_the_decoder_is_made():
                 decode_buckets=([4096], [1_000_000]), device="meta")
 
 
-def test_requests_joining_and_leaving_mid_decode_match_running_alone():
+@pytest.mark.parametrize("attention", ["sdpa", "flash_varlen"])
+def test_requests_joining_and_leaving_mid_decode_match_running_alone(attention):
     model = _model()
     plan = {"a": (PROMPTS["c"], 20), "b": (PROMPTS["b"], 3), "c": (PROMPTS["a"], 25), "d": (PROMPTS["d"], 10),
             "e": (PROMPTS["b"], 6)}
-    alone = {k: _run(_engine(model), [_req(k, p, n)])[k] for k, (p, n) in plan.items()}
-    engine = _engine(model)
+    kw = {"attention": attention, "decode_buckets": ([1, 2, 4], SMALL[1])}  # alone: a batch of one row
+    alone = {k: _run(_engine(model, **kw), [_req(k, p, n)])[k] for k, (p, n) in plan.items()}
+    engine = _engine(model, **kw)
     out = {}
 
     def step():

@@ -128,10 +128,12 @@ def _varlen_inputs(dec: StaticDecoder, pos: torch.Tensor, length: int):
     the offsets of their queries and of their keys (views of the decoder's static ``arange``s, so the step
     launches nothing for them) and the keys each reads, int32: the row's position + 1, or 1 for a row not
     decoding (its position is max_len - 1, past every bucket, and nobody reads its output). ``expand``,
-    not ``repeat_interleave``: that one syncs with the host, which a CUDA graph capture cannot."""
+    not ``repeat_interleave``: that one syncs with the host, which a CUDA graph capture cannot; then
+    ``contiguous``, which the kernel requires and a reshape alone does not give for one row (a stride-0 view)."""
     b, kv = pos.shape[0], dec.kv_heads
     used = torch.where(pos == dec.max_len - 1, 1, pos + 1).to(torch.int32)
-    return dec.cu_queries[:b * kv + 1], dec.cu_keys[:b * kv + 1], used[:, None].expand(b, kv).reshape(b * kv)
+    return (dec.cu_queries[:b * kv + 1], dec.cu_keys[:b * kv + 1],
+            used[:, None].expand(b, kv).contiguous().view(b * kv))
 
 
 def _attend_flash_varlen(q, k, v, length, prepared):
@@ -160,7 +162,11 @@ def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: to
     """What FlashAttention's varlen forward computes without a causal mask, in plain torch, one head: q
     [total_q, 1, d] holding sequence j's queries from ``cu_q[j]`` to ``cu_q[j + 1]`` (at most ``max_q``),
     k and v [total_k, 1, d] its keys from ``cu_k[j]``, of which the first ``seqused[j]`` (at most
-    ``max_k``) are attended; softmax scale 1/sqrt(d). Returns [total_q, 1, d]."""
+    ``max_k``) are attended; softmax scale 1/sqrt(d). Returns [total_q, 1, d]. Refuses what the kernel
+    refuses of its offsets and key counts (non-contiguous), so CPU tests meet it too."""
+    for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k), ("seqused_k", seqused)):
+        if not t.is_contiguous():
+            raise RuntimeError(f"{name} must be contiguous")
     n = seqused.shape[0]
     steps_q, steps_k = torch.arange(max_q, device=q.device), torch.arange(max_k, device=q.device)
     q_at = cu_q[:n, None].long() + steps_q[None]  # [n, max_q] rows of q
@@ -265,13 +271,16 @@ class StaticDecoder:
         # the last position a row feeds within the bucket, the first, one between (max_len - 1 is a row
         # not decoding, which the two kinds treat differently and nobody reads)
         pos = torch.tensor([min(length, self.max_len - 1) - 1, 0, length // 2][:b], device=self.device)
+        worst = 0.0
         try:
             with torch.no_grad(), self._sdpa_backends():
-                got = ATTENTION["flash_varlen"][1](q, k, v, length, _varlen_inputs(self, pos, length)).float()
-                want = _attend_sdpa(q, k, v, length, _mask(self, pos, length)).float()
+                for n in sorted({1, b}):  # one row too: its inputs are shaped otherwise (the tail of a batch)
+                    args = q[:n], k[:n], v[:n], length
+                    got = ATTENTION["flash_varlen"][1](*args, _varlen_inputs(self, pos[:n], length)).float()
+                    want = _attend_sdpa(*args, _mask(self, pos[:n], length)).float()
+                    worst = max(worst, float((got - want).abs().max()))
         except RuntimeError as exc:
             raise RuntimeError(f"decode attention 'flash_varlen' does not run here ({exc}); use 'sdpa'") from exc
-        worst = float((got - want).abs().max())
         if not worst <= (0.05 if self.dtype in (torch.bfloat16, torch.float16) else 1e-4):
             raise RuntimeError(f"decode attention 'flash_varlen' differs from the masked attention by {worst:.3g} "
                                f"on this machine (torch {torch.__version__}); use 'sdpa'")
