@@ -226,15 +226,18 @@ class RolloutEngineConfig(_Strict):
     temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature for training episodes.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass for training episodes.")
     max_batch: int = Field(16, ge=1, le=4096, description="Sequences one worker decodes at once (continuous batching).")
-    decode_attention: Literal["sdpa", "matmul", "flash_varlen"] = Field(
-        "sdpa", description="torch on CUDA: the decode step's attention. 'sdpa' reads every running row's "
+    decode_attention: Literal["auto", "sdpa", "matmul", "flash_varlen"] = Field(
+        "auto", description="torch on CUDA: the decode step's attention. 'sdpa' reads every running row's "
         "cache up to the longest one's length bucket (masked); 'flash_varlen' (bfloat16/float16) reads each "
         "row's own length with FlashAttention-2's varlen kernel, torch's own build: on long-tailed outputs "
-        "most rows are far shorter than the longest; 'matmul' two batched matmuls (a reference).")
-    decode_compile: bool = Field(False, description="torch on CUDA: fuse the decode step's elementwise work (RMSNorms with "
-                                 "their residual adds, rotary embedding, SiLU x up) with torch.compile: ~13 kernels a "
-                                 "layer instead of ~38, the same arithmetic. Needs torch.compile with Triton; "
-                                 "a few seconds of compiling at the first decode step.")
+        "most rows are far shorter than the longest; 'matmul' two batched matmuls (a reference); 'auto' "
+        "flash_varlen where the model is bfloat16/float16, else sdpa, and sdpa (with a warning in the "
+        "rollout log) where flash_varlen does not run.")
+    decode_compile: bool | None = Field(None, description="torch on CUDA: fuse the decode step's elementwise work "
+                                        "(RMSNorms with their residual adds, rotary embedding, SiLU x up) with "
+                                        "torch.compile: ~13 kernels a layer instead of ~38, the same arithmetic, a "
+                                        "few seconds of compiling at start. Needs torch.compile with Triton. None "
+                                        "(default): on, and off (with a warning) where it does not run.")
     decode_step_s: float = Field(0.001, ge=0, le=10, description="sim: time of one decode step at batch 1. "
                                  "Memory-bound GPU decode is nearly flat in batch size.")
     decode_step_per_seq_s: float = Field(0.00001, ge=0, le=1, description="sim: extra step time per sequence in the batch.")
@@ -484,8 +487,8 @@ class Topology(_Strict):
         if self.rollout_engine.kind == "vllm" and not re.fullmatch(r"cuda(:0)?", self.model.device):
             raise ValueError(f"rollout_engine.kind 'vllm' runs on the first GPU the process sees: model.device "
                              f"must be 'cuda' (choose the GPU with CUDA_VISIBLE_DEVICES), got {self.model.device!r}")
-        tuned = [k for k, off in (("decode_attention", self.rollout_engine.decode_attention == "sdpa"),
-                                  ("decode_compile", not self.rollout_engine.decode_compile)) if not off]
+        tuned = [k for k, off in (("decode_attention", self.rollout_engine.decode_attention in ("auto", "sdpa")),
+                                  ("decode_compile", self.rollout_engine.decode_compile is not True)) if not off]
         if tuned and (self.rollout_engine.kind != "torch" or not self.model.device.startswith("cuda")):
             raise ValueError(f"rollout_engine.{' and '.join(tuned)} tune the torch engine's decode step on a GPU "
                              f"(CUDA graphs); with rollout_engine.kind {self.rollout_engine.kind!r} on model.device "

@@ -19,10 +19,11 @@ Workloads (``--workload``):
 Runs (``--runs``, each ``MODE[:STALENESS[:DROP[:LEAD[:ORDER[:ATTN]]]]]``, e.g. ``async:2:true async:2:false
 async:4 sync``, ``async:2:true:adaptive`` for staleness.lead adaptive, ``async:2:true:bound:in_order`` for
 staleness.in_order (ORDER ``arrival``, the default, or ``in_order``: each agent hands its groups on in
-admission order), ``sync:::::flash_varlen async:2::::flash_varlen`` for the torch engine's
-rollout_engine.decode_attention (ATTN, default ``--decode-attention``; ``ATTN+compile``, e.g.
-``sync:::::sdpa+compile``, with rollout_engine.decode_compile on; an async run's ratio is over the sync
-run with the same ATTN); an empty field takes its default;
+admission order), ``sync:::::sdpa async:2::::sdpa`` for the torch engine's
+rollout_engine.decode_attention (ATTN, default ``--decode-attention``, itself ``auto``: the system's
+default, flash_varlen with decode_compile on a GPU in half precision; an explicit ATTN has
+rollout_engine.decode_compile off, ``ATTN+compile``, e.g. ``sync:::::sdpa+compile``, on; an async run's
+ratio is over the sync run with the same ATTN); an empty field takes its default;
 default: every --modes x --staleness x --drop-at-consume, sync once; sync runs first): DROP is
 ``staleness.drop_at_consume`` (README: Knobs); a synchronous run has neither. Every async run's ratio
 is over the sync run of the same invocation. Samples/s and tokens/s (generated tokens) count what the
@@ -106,20 +107,20 @@ class Run:
     drop: bool
     lead: str = "bound"  # staleness.lead: bound | adaptive
     in_order: bool = False  # staleness.in_order
-    attention: str = "sdpa"  # rollout_engine.decode_attention (torch engine), "+compile": decode_compile on
+    attention: str = "auto"  # rollout_engine.decode_attention (torch engine), "+compile": decode_compile on
 
     @property
     def name(self) -> str:
         lead = "" if self.lead == "bound" else f"_{self.lead}"
         order = "_in_order" if self.in_order else ""
-        attn = "" if self.attention == "sdpa" else f"_{self.attention.replace('+', '_')}"
+        attn = "" if self.attention == "auto" else f"_{self.attention.replace('+', '_')}"
         if self.mode == "sync":
             return f"sync{attn}"
         return f"async_s{self.staleness}_{'drop' if self.drop else 'keep'}{lead}{order}{attn}"
 
     @property
     def label(self) -> str:
-        attn = "" if self.attention == "sdpa" else f" {self.attention}"
+        attn = "" if self.attention == "auto" else f" {self.attention}"
         if self.mode == "sync":
             return f"sync{attn}"
         lead = "" if self.lead == "bound" else f" {self.lead}"
@@ -142,11 +143,11 @@ def parse_runs(args) -> list[Run]:
             mode, staleness, drop, lead, order, attn = parts[:6]
             if (mode not in ("async", "sync") or len(parts) > 6 or lead not in ("", "bound", "adaptive")
                     or order not in ("", "arrival", "in_order")
-                    or attn.removesuffix("+compile") not in ("", "sdpa", "matmul", "flash_varlen")
+                    or attn.removesuffix("+compile") not in ("", "auto", "sdpa", "matmul", "flash_varlen")
                     or not (staleness == "" or staleness.isdigit())):
                 raise SystemExit(f"--runs {spec!r}: MODE[:STALENESS[:DROP[:LEAD[:ORDER[:ATTN]]]]] with MODE async or "
-                                 f"sync, LEAD bound or adaptive, ORDER arrival or in_order, ATTN sdpa, matmul or "
-                                 f"flash_varlen, +compile for decode_compile (an empty field: its default)")
+                                 f"sync, LEAD bound or adaptive, ORDER arrival or in_order, ATTN auto, sdpa, "
+                                 f"matmul or flash_varlen, +compile for decode_compile (an empty field: its default)")
             if attn.startswith("+"):  # "+compile": the default attention, compiled
                 attn = attention + attn
             runs.append(Run(mode, int(staleness) if staleness else args.staleness[0], flag(drop) if drop else True,
@@ -180,7 +181,8 @@ def topology(model: Path, run: Run, args) -> dict:
                "threads": 1 if args.device == "cpu" else 4},
         rollout_engine={"kind": args.engine, "max_batch": args.rollout_batch, "max_len": max_len_of(args),
                         "temperature": 1.0, "decode_attention": run.attention.removesuffix("+compile"),
-                        "decode_compile": run.attention.endswith("+compile"),
+                        # auto: the system's default fusion (on a GPU); an explicit attention: off unless +compile
+                        **({} if run.attention == "auto" else {"decode_compile": run.attention.endswith("+compile")}),
                         **({"gpu_memory_utilization": args.gpu_memory_utilization} if args.engine == "vllm" else {})},
         trainer_engine={"kind": "torch", "eps_clip": 0.2, "behav_imp_weight_cap": 5.0, "eval_interval": 0},
         nodes={"bus": {}, "agent": {"replicas": args.agents}, "reward": {"replicas": 1}, "trainer": {}, "weights": {}},
@@ -320,8 +322,9 @@ def main() -> int:
     ap.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
     ap.add_argument("--runs", nargs="+", default=None, help="MODE[:STALENESS[:DROP[:LEAD[:ORDER[:ATTN]]]]] ... (overrides the three above)")
     ap.add_argument("--rollout-batch", type=int, default=256, help="the rollout engine's max_batch")
-    ap.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "matmul", "flash_varlen"],
-                    help="torch engine: rollout_engine.decode_attention")
+    ap.add_argument("--decode-attention", default="auto", choices=["auto", "sdpa", "matmul", "flash_varlen"],
+                    help="torch engine: rollout_engine.decode_attention (auto: the system's default, with its "
+                         "default decode_compile; an explicit one: decode_compile off)")
     ap.add_argument("--agents", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=8, help="GRPO group (samples per prompt)")
     ap.add_argument("--prompt-len", type=int, default=128, help="longtail: prompt characters (= tokens here)")

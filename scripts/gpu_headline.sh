@@ -19,12 +19,11 @@
 #     SHAPE=1.5b RUNS="sync async:2:true" bash scripts/gpu_headline.sh
 #     RUNS="sync async:2:true async:2:true:bound:in_order" bash scripts/gpu_headline.sh   (staleness.in_order
 #                                                  against arrival order, the speed side of the SmolLM2 runs)
-#     STEPS=5 SKIP=1 RUNS="sync async:2:true sync:::::flash_varlen async:2::::flash_varlen" bash scripts/gpu_headline.sh
-#                                                 (the torch engine's decode attention, flash_varlen against
-#                                                  sdpa, each async ratio over the sync of its attention)
-#     STEPS=5 SKIP=1 RUNS="sync async:2:true sync:::::+compile async:2::::+compile" bash scripts/gpu_headline.sh
-#                                                 (rollout_engine.decode_compile: the step's elementwise
-#                                                  work fused by torch.compile, against unfused)
+#     STEPS=5 SKIP=1 RUNS="sync async:2:true sync:::::sdpa async:2::::sdpa" bash scripts/gpu_headline.sh
+#                                                 (the default decode step, flash_varlen fused by torch.compile
+#                                                  on a GPU, against sdpa unfused; each async ratio over the
+#                                                  sync of its attention; "sdpa+compile", "flash_varlen" the
+#                                                  two apart)
 # Knobs (environment): ENGINE torch|vllm, SHAPE 0.5b|1.5b, RUNS, STEPS (8), SKIP (2), AGENTS (4), EXTRA
 # (more bench/gpu_e2e.py arguments), HEADLINE_TIMEOUT (560 s, the whole), RUN_TIMEOUT (300 s, each run).
 # Output: $OUT (default ./gpu_logs)/headline.log and headline/<run>.json.

@@ -14,7 +14,7 @@ import argparse  # noqa: E402
 
 import pytest  # noqa: E402
 
-from bench.gpu_e2e import Run, baseline, batch_timeline, parse_runs  # noqa: E402
+from bench.gpu_e2e import Run, baseline, batch_timeline, parse_runs, topology  # noqa: E402
 
 
 def test_timeline_is_the_mean_share_of_max_batch_per_slice_with_the_updates_marked():
@@ -35,21 +35,28 @@ def test_timeline_is_the_mean_share_of_max_batch_per_slice_with_the_updates_mark
 
 def test_runs_take_a_decode_attention_and_an_async_ratio_is_over_the_sync_run_with_the_same_one():
     args = argparse.Namespace(staleness=[2], drop_at_consume=["true"], modes=["async", "sync"],
-                              decode_attention="sdpa", runs=["sync", "sync:::::flash_varlen", "async:4:false",
+                              decode_attention="auto", runs=["sync", "sync:::::flash_varlen", "async:4:false",
                                                              "async:2::::flash_varlen", "async:2:true:adaptive:in_order"])
     runs = parse_runs(args)
     assert runs == [Run("sync", 2, True), Run("sync", 2, True, attention="flash_varlen"), Run("async", 4, False),
                     Run("async", 2, True, attention="flash_varlen"), Run("async", 2, True, "adaptive", True)]
     assert [r.name for r in runs] == ["sync", "sync_flash_varlen", "async_s4_keep", "async_s2_drop_flash_varlen",
                                       "async_s2_drop_adaptive_in_order"]
-    results = dict(zip(runs[:2], ["sdpa's sync", "flash's sync"]))
-    assert baseline(results, runs[3]) == "flash's sync" and baseline(results, runs[2]) == "sdpa's sync"
+    results = dict(zip(runs[:2], ["auto's sync", "flash's sync"]))
+    assert baseline(results, runs[3]) == "flash's sync" and baseline(results, runs[2]) == "auto's sync"
     assert baseline({runs[1]: "flash's sync"}, runs[2]) == "flash's sync"  # none with its attention: the first
-    compiled = parse_runs(argparse.Namespace(**{**vars(args), "runs": ["sync:::::+compile", "async:2::::flash_varlen+compile"]}))
+    compiled = parse_runs(argparse.Namespace(**{**vars(args), "runs": ["sync:::::sdpa+compile",
+                                                                       "async:2::::flash_varlen+compile"]}))
     assert [r.attention for r in compiled] == ["sdpa+compile", "flash_varlen+compile"]
     assert [r.name for r in compiled] == ["sync_sdpa_compile", "async_s2_drop_flash_varlen_compile"]  # no '+' in a file name
-    assert baseline({runs[0]: "sdpa's sync", compiled[0]: "compiled sync"}, Run("async", 2, True, attention="sdpa+compile")) \
+    assert baseline({runs[0]: "auto's sync", compiled[0]: "compiled sync"}, Run("async", 2, True, attention="sdpa+compile")) \
         == "compiled sync"
+    # auto leaves decode_compile to the system's default; an explicit attention has it off unless +compile
+    topo_args = argparse.Namespace(engine="torch", rollout_batch=8, workload="guess", dtype="float32", device="cuda",
+                                   trainer_device=None, steps=2, trigger=0, batch=16, agents=1, group_size=8)
+    engines = [topology(Path("m"), r, topo_args)["rollout_engine"] for r in (runs[0], runs[1], compiled[0])]
+    assert [(e["decode_attention"], e.get("decode_compile")) for e in engines] == \
+        [("auto", None), ("flash_varlen", False), ("sdpa", True)]
     for bad in ("async:2::::flash", "async:x", "async:2:true:bound:arrival:sdpa:more", "sync:::::sdpa+fuse"):
         with pytest.raises(SystemExit, match="MODE"):
             parse_runs(argparse.Namespace(**{**vars(args), "runs": [bad]}))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from areal_bus.engines.cuda_decode import ATTENTION, buckets
+from areal_bus.engines.cuda_decode import ATTENTION, buckets, decode_choices
 from areal_bus.engines.torch_engine import TorchRolloutEngine
 from areal_bus.modeling import (TINY_LLAMA, TINY_LLAMA31, TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3, make_random_model,
                                 save_pretrained)
@@ -131,6 +131,53 @@ def test_flash_varlen_that_reads_past_a_rows_position_is_refused_before_any_deco
     monkeypatch.setitem(cuda_decode.ATTENTION, "flash_varlen", (prepare, unmasked))
     with pytest.raises(RuntimeError, match="'flash_varlen' differs from the masked attention by"):
         _engine(_model(), attention="flash_varlen")
+
+
+def test_decode_choices_try_what_was_asked_and_fall_back_only_from_automatic_ones():
+    # rollout_engine's defaults (attention "auto", fusion None): on a GPU in half precision flash_varlen fused
+    assert decode_choices("auto", None, True, True) == [("flash_varlen", True), ("sdpa", True),
+                                                        ("flash_varlen", False), ("sdpa", False)]
+    assert decode_choices("auto", None, True, False) == [("sdpa", True), ("sdpa", False)]  # float32 on a GPU
+    assert decode_choices("auto", None, False, True) == [("sdpa", False)]  # CPU: nothing to fall back from
+    assert decode_choices("flash_varlen", None, True, True) == [("flash_varlen", True), ("flash_varlen", False)]
+    assert decode_choices("auto", True, True, True) == [("flash_varlen", True), ("sdpa", True)]
+    assert decode_choices("sdpa", False, True, True) == [("sdpa", False)]  # explicit: refused means raised
+
+
+def test_an_automatic_decode_choice_that_refuses_here_falls_back_with_a_warning(monkeypatch):
+    """What "auto" tries on a GPU (decode_choices' list for CUDA in half precision), met on CPU by a torch
+    build whose varlen kernel ignores each row's key count and a model with norms the fusion does not
+    compute: each refusal is named through ``warn`` and the next choice tried, down to sdpa unfused, which
+    decodes as the gather path does."""
+    from areal_bus.engines import cuda_decode
+
+    monkeypatch.setattr(cuda_decode, "decode_choices", lambda *_: [("flash_varlen", True), ("sdpa", True),
+                                                                   ("flash_varlen", False), ("sdpa", False)])
+    prepare, _ = cuda_decode.ATTENTION["flash_varlen"]
+    unmasked = lambda q, k, v, length, prepared: cuda_decode._attend_sdpa(q, k, v, length, None)  # noqa: E731
+    monkeypatch.setitem(cuda_decode.ATTENTION, "flash_varlen", (prepare, unmasked))
+    model = _model()
+    model.model.norm = torch.nn.LayerNorm(model.cfg.hidden_size)
+    warned = []
+    engine = _engine(model, warn=warned.append)
+    assert (engine.fast.attention, engine.fast.fuse) == ("sdpa", False)
+    assert [w.split(" refused")[0] for w in warned] == ["decode step flash_varlen+compile", "decode step sdpa+compile",
+                                                        "decode step flash_varlen"]
+    assert "other norms" in warned[0] and "differs from the masked attention" in warned[2]
+    assert _run(engine, [_req("a", PROMPTS["a"], 8)])["a"].output_ids.tolist() == \
+        _run(_engine(model, static=False), [_req("a", PROMPTS["a"], 8)])["a"].output_ids.tolist()
+    monkeypatch.undo()
+    warned.clear()
+    assert (_engine(_model(), warn=warned.append).fast.attention, warned) == ("sdpa", [])  # CPU's own choice
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_default_decode_on_a_gpu_in_half_precision_is_flash_varlen_fused():
+    engine = TorchRolloutEngine(make_random_model(QWEN_HEADS, seed=0, device="cuda", dtype=torch.bfloat16),
+                                max_batch=8, max_len=512, dtype=torch.bfloat16, device="cuda", eos_token_ids=[])
+    assert (engine.fast.attention, engine.fast.fuse, engine.fast.graphs) == ("flash_varlen", True, True)
+    # its logprobs: test_cuda_graph_bf16_logprobs_match_full_forward_as_closely_as_the_gather_path[auto-None]
 
 
 def test_decode_attention_is_checked_when_the_decoder_is_made():
@@ -257,7 +304,7 @@ QWEN_HEADS = TINY_QWEN2 | {"vocab_size": 2048, "hidden_size": 896, "intermediate
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("attention, fuse", [("sdpa", False), ("matmul", False), ("flash_varlen", False),
-                                             ("sdpa", True), ("flash_varlen", True)])
+                                             ("sdpa", True), ("flash_varlen", True), ("auto", None)])
 def test_cuda_graph_bf16_logprobs_match_full_forward_as_closely_as_the_gather_path(attention, fuse):
     model = make_random_model(QWEN_HEADS, seed=0, device="cuda", dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(0)

@@ -28,8 +28,9 @@ once in a CUDA graph and replayed with a single launch:
   at batch 256 (0.5B shape) that took 1.4-1.6 ms of device time off a step of 4.7-7.6 ms (bench/RESULTS.md).
   The pieces compute what the model's modules do, in the same order and with the same casts
   (``emulate_precision_casts``), so the logits agree with the unfused step to rounding. It needs
-  torch.compile's toolchain (Triton on CUDA, a C++ compiler on CPU) and costs a few seconds of compiling
-  when the first graph is captured (8 s on that H100, graph captures included).
+  torch.compile's toolchain (Triton on CUDA, a C++ compiler on CPU), tried once when the decoder is made
+  (so a missing one refuses to start, and ``static_decoder``'s automatic choice falls back), and costs a
+  few seconds of compiling when the first graph is captured (8 s on that H100, graph captures included).
 
 Prefill stays outside the graphs (the engine's batched, right-padded prefill through the model).
 Sampling is ``sample``: batched on the device, one transfer to the host per step.
@@ -52,6 +53,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -184,6 +186,41 @@ ATTENTION = {"sdpa": (_mask, _attend_sdpa), "matmul": (_mask, _attend_matmul),
              "flash_varlen": (_varlen_inputs, _attend_flash_varlen)}
 
 
+def decode_choices(attention: str, fuse: bool | None, cuda: bool, half: bool) -> list[tuple[str, bool]]:
+    """(attention, fuse) pairs to try in turn: what was asked, with "auto" attention as flash_varlen where
+    the cache is bfloat16/float16 on CUDA (else sdpa) and None fusion as on on CUDA; then, for what was
+    chosen automatically only, sdpa and unfused as fallbacks. A choice asked for explicitly has none."""
+    attn = ("flash_varlen" if cuda and half else "sdpa") if attention == "auto" else attention
+    fz = cuda if fuse is None else fuse
+    attns = [attn, "sdpa"] if attention == "auto" else [attn]
+    fuses = [fz, False] if fuse is None else [fz]
+    return list(dict.fromkeys((a, f) for f in fuses for a in attns))
+
+
+def static_decoder(model: CausalLM, cache: KVCache, graphs: bool = False, attention: str = "auto",
+                   fuse: bool | None = None, batch_buckets: list[int] | None = None,
+                   len_buckets: list[int] | None = None, warn: Callable[[str], None] | None = None) -> StaticDecoder:
+    """A ``StaticDecoder`` with ``attention`` "auto" and ``fuse`` None chosen here (rollout_engine's
+    defaults, ``decode_choices``): flash_varlen and fused on CUDA in half precision. On one H100
+    (bench/RESULTS.md, session 30) the two made the long-tail headline's synchronous run 1.95x and its
+    asynchronous one 1.56x faster than sdpa unfused. An automatic choice that refuses here (a torch
+    build without FlashAttention's varlen kernel, no Triton, norms the fusion does not compute) falls
+    back to the next, naming why through ``warn``; the last one's refusal is raised."""
+    tries = decode_choices(attention, fuse, cache.k.device.type == "cuda",
+                           cache.k.dtype in (torch.bfloat16, torch.float16))
+    for i, (attn, fz) in enumerate(tries):
+        try:
+            return StaticDecoder(model, cache, graphs=graphs, attention=attn, fuse=fz,
+                                 batch_buckets=batch_buckets, len_buckets=len_buckets)
+        except (RuntimeError, ValueError) as exc:
+            if i == len(tries) - 1:
+                raise
+            if warn is not None:
+                name = lambda a, f: a + ("+compile" if f else "")  # noqa: E731
+                warn(f"decode step {name(attn, fz)} refused ({exc}); trying {name(*tries[i + 1])}")
+    raise AssertionError("unreachable: the last choice returns or raises")
+
+
 class StaticDecoder:
     """Decode steps over ``cache`` for ``model``: ``decode(slots, ids, positions)`` -> logits.
 
@@ -215,6 +252,7 @@ class StaticDecoder:
         if attention == "flash_varlen" and self.max_batch * cfg.num_key_value_heads * self.max_len >= 2 ** 31:
             raise ValueError("attention 'flash_varlen' addresses the cache with int32 offsets: max_batch x kv heads "
                              "x max_len must stay below 2^31")
+        self.attention = attention
         self.prepare, self.attend = ATTENTION[attention]
         self.fuse = fuse
         if fuse:
@@ -225,6 +263,12 @@ class StaticDecoder:
                 norms += [n for layer in layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
             if not all(type(n) is RMSNorm for n in norms):
                 raise ValueError("decode fusion computes areal_bus.modeling.RMSNorm; this model has other norms")
+            try:  # compiled here, not at the first decode step, so a missing toolchain refuses to start
+                _fused(_silu_mul)(torch.zeros(2, 2 * cfg.intermediate_size, device=cache.k.device,
+                                              dtype=cache.k.dtype))
+            except Exception as exc:  # torch.compile fails in many types (missing Triton, no C++ compiler)
+                raise RuntimeError(f"decode fusion needs torch.compile, which fails here: "
+                                   f"{type(exc).__name__}: {str(exc)[:300]}") from exc
         self.batch_buckets = sorted(batch_buckets or buckets(self.max_batch, 1, 4))
         self.len_buckets = sorted(len_buckets or buckets(self.max_len, min(MIN_LEN_BUCKET, self.max_len), 2))
         if self.batch_buckets[-1] != self.max_batch or self.len_buckets[-1] != self.max_len:

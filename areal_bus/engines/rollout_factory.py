@@ -138,7 +138,10 @@ def _torch_engine(topo, worker: str, replica: int, base, log=None) -> BuiltRollo
     engine = TorchRolloutEngine(path, max_batch=cfg.max_batch, max_len=cfg.max_len, device=topo.model.device,
                                 dtype=topo.model.dtype, seed=topo.model.seed * 1000 + replica, worker=worker,
                                 weight_loader=load_weights, attention=cfg.decode_attention,
-                                fuse_decode=cfg.decode_compile)
+                                fuse_decode=cfg.decode_compile,
+                                warn=(lambda msg: log.warning("decode_fallback", detail=msg)) if log else None)
+    if engine.fast is not None and log is not None:
+        log.info("decode_step", attention=engine.fast.attention, compile=engine.fast.fuse, graphs=engine.fast.graphs)
 
     def release_upto(version: int) -> None:
         # The engine copies weights into its own parameters at the swap: older buffers are free now.

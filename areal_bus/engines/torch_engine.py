@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import heapq
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from areal_bus.engines.cuda_decode import StaticDecoder, sample, top_p_filter
+from areal_bus.engines.cuda_decode import sample, static_decoder, top_p_filter
 from areal_bus.messages import Completion, GenerateRequest
 from areal_bus.modeling import CausalLM, KVCache, as_dtype, check_state_dict, load_pretrained, load_safetensors
 
@@ -90,9 +91,11 @@ class TorchRolloutEngine:
 
     ``static_decode`` (None: on CUDA only) decodes through ``cuda_decode.StaticDecoder``;
     ``cuda_graphs`` (None: whenever the static path runs on CUDA) replays its steps as CUDA graphs;
-    ``attention`` ("sdpa", "matmul" or "flash_varlen") is its attention kernel; ``fuse_decode`` fuses the
-    step's elementwise work with torch.compile (rollout_engine.decode_compile); ``decode_buckets`` (batch sizes,
-    lengths) its padded shapes (None: its defaults).
+    ``attention`` ("sdpa", "matmul" or "flash_varlen"; "auto": flash_varlen on CUDA in half precision, else
+    sdpa) is its attention kernel; ``fuse_decode`` fuses the step's elementwise work with torch.compile
+    (rollout_engine.decode_compile; None: on CUDA); an automatic choice that refuses to run here falls back,
+    through ``warn`` (``cuda_decode.static_decoder``); ``decode_buckets`` (batch sizes, lengths) its padded
+    shapes (None: its defaults).
 
     ``prefill_every`` (None: 8 on the static path, 1 otherwise): while sequences are decoding, a few
     newcomers wait up to this many decode steps to be prefilled together, unless they are at least
@@ -107,9 +110,9 @@ class TorchRolloutEngine:
                  seed: int = 0, eos_token_ids: list[int] | None = None, worker: str = "rollout",
                  weight_loader: Callable[[str], dict[str, torch.Tensor]] | None = None,
                  version: int = 0, recompute_kv_on_swap: bool = False, max_prefill_tokens: int = 8192,
-                 static_decode: bool | None = None, cuda_graphs: bool | None = None, attention: str = "sdpa",
-                 fuse_decode: bool = False, decode_buckets: tuple[list[int], list[int]] | None = None,
-                 prefill_every: int | None = None):
+                 static_decode: bool | None = None, cuda_graphs: bool | None = None, attention: str = "auto",
+                 fuse_decode: bool | None = None, decode_buckets: tuple[list[int], list[int]] | None = None,
+                 prefill_every: int | None = None, warn: Callable[[str], None] | None = None):
         self.device = torch.device(device)
         dtype = as_dtype(dtype)
         if isinstance(model, (str, Path)):
@@ -132,8 +135,9 @@ class TorchRolloutEngine:
         if cuda_graphs is None:
             cuda_graphs = static_decode and self.device.type == "cuda"
         batch_buckets, len_buckets = decode_buckets or (None, None)
-        self.fast = (StaticDecoder(self.model, self.cache, graphs=cuda_graphs, attention=attention,
-                                   fuse=fuse_decode, batch_buckets=batch_buckets, len_buckets=len_buckets)
+        self.fast = (static_decoder(self.model, self.cache, graphs=cuda_graphs, attention=attention,
+                                    fuse=fuse_decode, batch_buckets=batch_buckets, len_buckets=len_buckets,
+                                    warn=warn or (lambda msg: warnings.warn(msg, RuntimeWarning, stacklevel=3)))
                      if static_decode else None)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.steps = 0
