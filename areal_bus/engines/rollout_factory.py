@@ -135,11 +135,11 @@ def _torch_engine(topo, worker: str, replica: int, base, log=None) -> BuiltRollo
     far = _far_loader(topo, base, replica, log)
     if far is not None:  # a host without shared memory with the trainer: its relay's weight set
         reader, load_weights = far
+    fallback = None if log is None else (lambda msg: log.warning("decode_fallback", detail=msg))
     engine = TorchRolloutEngine(path, max_batch=cfg.max_batch, max_len=cfg.max_len, device=topo.model.device,
                                 dtype=topo.model.dtype, seed=topo.model.seed * 1000 + replica, worker=worker,
                                 weight_loader=load_weights, attention=cfg.decode_attention,
-                                fuse_decode=cfg.decode_compile,
-                                warn=(lambda msg: log.warning("decode_fallback", detail=msg)) if log else None)
+                                fuse_decode=cfg.decode_compile, warn=fallback)
     if engine.fast is not None and log is not None:
         log.info("decode_step", attention=engine.fast.attention, compile=engine.fast.fuse, graphs=engine.fast.graphs)
 
