@@ -487,15 +487,16 @@ class Topology(_Strict):
         if self.rollout_engine.kind == "vllm" and not re.fullmatch(r"cuda(:0)?", self.model.device):
             raise ValueError(f"rollout_engine.kind 'vllm' runs on the first GPU the process sees: model.device "
                              f"must be 'cuda' (choose the GPU with CUDA_VISIBLE_DEVICES), got {self.model.device!r}")
-        tuned = [k for k, off in (("decode_attention", self.rollout_engine.decode_attention in ("auto", "sdpa")),
-                                  ("decode_compile", self.rollout_engine.decode_compile is not True)) if not off]
+        engine = self.rollout_engine
+        tuned = [k for k, on in (("decode_attention", engine.decode_attention in ("matmul", "flash_varlen")),
+                                 ("decode_compile", engine.decode_compile is True)) if on]
         if tuned and (self.rollout_engine.kind != "torch" or not self.model.device.startswith("cuda")):
             raise ValueError(f"rollout_engine.{' and '.join(tuned)} tune the torch engine's decode step on a GPU "
                              f"(CUDA graphs); with rollout_engine.kind {self.rollout_engine.kind!r} on model.device "
                              f"{self.model.device!r} they would do nothing: set kind 'torch' and device 'cuda', "
                              f"or leave them out")
-        if (self.rollout_engine.decode_attention == "flash_varlen" and self.rollout_engine.kind == "torch"
-                and self.model.device.startswith("cuda") and self.model.dtype not in ("bfloat16", "float16")):
+        # (named flash_varlen is the torch engine on a GPU by now: the check above)
+        if self.rollout_engine.decode_attention == "flash_varlen" and self.model.dtype not in ("bfloat16", "float16"):
             raise ValueError(f"rollout_engine.decode_attention 'flash_varlen' runs FlashAttention, which takes "
                              f"bfloat16 or float16: set model.dtype to one of them (got {self.model.dtype!r}), or "
                              f"decode_attention 'sdpa'")

@@ -216,8 +216,8 @@ def static_decoder(model: CausalLM, cache: KVCache, graphs: bool = False, attent
             if i == len(tries) - 1:
                 raise
             if warn is not None:
-                name = lambda a, f: a + ("+compile" if f else "")  # noqa: E731
-                warn(f"decode step {name(attn, fz)} refused ({exc}); trying {name(*tries[i + 1])}")
+                (a, f), (b, g) = tries[i], tries[i + 1]
+                warn(f"decode step {a}{'+compile' * f} refused ({exc}); trying {b}{'+compile' * g}")
     raise AssertionError("unreachable: the last choice returns or raises")
 
 
