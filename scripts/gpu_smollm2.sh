@@ -11,7 +11,8 @@
 # arguments given (e.g. --steps 30 --set learning_rate 5e-6). Logs and the plot go to $OUT.
 #
 # ALSO="more args" runs a second bench/learning.py at the same time with the arguments given plus ALSO's (e.g.
-# the same seeds' async runs with staleness.in_order, --modes async and another --save), logged to
+# the same seeds' async runs in arrival order: --modes async --set staleness.in_order false and another
+# --save; topology/smollm2-math-gpu.yaml turns in_order on), logged to
 # $OUT/learning_smollm2_also.log; later --set and --save win. While they run, the GPU's memory and each
 # process's share are logged every 20 s to $OUT/gpu_mem.log (how many runs the card holds).
 #
