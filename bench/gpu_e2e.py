@@ -16,14 +16,15 @@ Workloads (``--workload``):
             from a lognormal (``--median 500 --sigma 0.8``, clipped ``--min-len 200 --max-len 3000``),
             eos ignored, so the lengths are real generated tokens.
 
-Runs (``--runs``, each ``MODE[:STALENESS[:DROP[:LEAD[:ORDER[:ATTN]]]]]``, e.g. ``async:2:true async:2:false
+Runs (``--runs``, each ``MODE[:STALENESS[:DROP[:LEAD[:ORDER[:ATTN[:BATCH]]]]]]``, e.g. ``async:2:true async:2:false
 async:4 sync``, ``async:2:true:adaptive`` for staleness.lead adaptive, ``async:2:true:bound:in_order`` for
 staleness.in_order (ORDER ``arrival``, the default, or ``in_order``: each agent hands its groups on in
 admission order), ``sync:::::sdpa async:2::::sdpa`` for the torch engine's
 rollout_engine.decode_attention (ATTN, default ``--decode-attention``, itself ``auto``: the system's
 default, flash_varlen with decode_compile on a GPU in half precision; an explicit ATTN has
 rollout_engine.decode_compile off, ``ATTN+compile``, e.g. ``sync:::::sdpa+compile``, on; an async run's
-ratio is over the sync run with the same ATTN); an empty field takes its default;
+ratio is over the sync run with the same ATTN), ``async:2:true::::384`` for the rollout engine's max_batch
+(BATCH, default ``--rollout-batch``); an empty field takes its default;
 default: every --modes x --staleness x --drop-at-consume, sync once; sync runs first): DROP is
 ``staleness.drop_at_consume`` (README: Knobs); a synchronous run has neither. Every async run's ratio
 is over the sync run of the same invocation. Samples/s and tokens/s (generated tokens) count what the
@@ -108,12 +109,14 @@ class Run:
     lead: str = "bound"  # staleness.lead: bound | adaptive
     in_order: bool = False  # staleness.in_order
     attention: str = "auto"  # rollout_engine.decode_attention (torch engine), "+compile": decode_compile on
+    rollout_batch: int = 0  # rollout_engine.max_batch; 0: --rollout-batch
 
     @property
     def name(self) -> str:
         lead = "" if self.lead == "bound" else f"_{self.lead}"
         order = "_in_order" if self.in_order else ""
         attn = "" if self.attention == "auto" else f"_{self.attention.replace('+', '_')}"
+        attn += f"_b{self.rollout_batch}" if self.rollout_batch else ""
         if self.mode == "sync":
             return f"sync{attn}"
         return f"async_s{self.staleness}_{'drop' if self.drop else 'keep'}{lead}{order}{attn}"
@@ -121,6 +124,7 @@ class Run:
     @property
     def label(self) -> str:
         attn = "" if self.attention == "auto" else f" {self.attention}"
+        attn += f" b{self.rollout_batch}" if self.rollout_batch else ""
         if self.mode == "sync":
             return f"sync{attn}"
         lead = "" if self.lead == "bound" else f" {self.lead}"
@@ -139,19 +143,20 @@ def parse_runs(args) -> list[Run]:
         for spec in args.runs:
             # an empty field takes its default: "sync:::::flash_varlen" is sync with that attention
             parts = spec.split(":")
-            parts += [""] * (6 - len(parts))
-            mode, staleness, drop, lead, order, attn = parts[:6]
-            if (mode not in ("async", "sync") or len(parts) > 6 or lead not in ("", "bound", "adaptive")
+            parts += [""] * (7 - len(parts))
+            mode, staleness, drop, lead, order, attn, batch = parts[:7]
+            if (mode not in ("async", "sync") or len(parts) > 7 or lead not in ("", "bound", "adaptive")
                     or order not in ("", "arrival", "in_order")
                     or attn.removesuffix("+compile") not in ("", "auto", "sdpa", "matmul", "flash_varlen")
-                    or not (staleness == "" or staleness.isdigit())):
-                raise SystemExit(f"--runs {spec!r}: MODE[:STALENESS[:DROP[:LEAD[:ORDER[:ATTN]]]]] with MODE async or "
-                                 f"sync, LEAD bound or adaptive, ORDER arrival or in_order, ATTN auto, sdpa, "
-                                 f"matmul or flash_varlen, +compile for decode_compile (an empty field: its default)")
+                    or not (staleness == "" or staleness.isdigit()) or not (batch == "" or batch.isdigit() and int(batch))):
+                raise SystemExit(f"--runs {spec!r}: MODE[:STALENESS[:DROP[:LEAD[:ORDER[:ATTN[:BATCH]]]]]] with MODE async "
+                                 f"or sync, LEAD bound or adaptive, ORDER arrival or in_order, ATTN auto, sdpa, "
+                                 f"matmul or flash_varlen, +compile for decode_compile, BATCH a positive integer "
+                                 f"(an empty field: its default)")
             if attn.startswith("+"):  # "+compile": the default attention, compiled
                 attn = attention + attn
             runs.append(Run(mode, int(staleness) if staleness else args.staleness[0], flag(drop) if drop else True,
-                            lead or "bound", order == "in_order", attn or attention))
+                            lead or "bound", order == "in_order", attn or attention, int(batch or 0)))
         return runs
     runs = [Run("async", s, flag(d), attention=attention) for s in args.staleness for d in args.drop_at_consume] \
         if "async" in args.modes else []
@@ -179,7 +184,7 @@ def topology(model: Path, run: Run, args) -> dict:
         mini_batch_size=args.batch // 2, logging={"log_dir": "logs", "log_interval": 5, "save_interval": 0},
         model={"path": str(model), "dtype": args.dtype, "device": args.device, "trainer_device": args.trainer_device,
                "threads": 1 if args.device == "cpu" else 4},
-        rollout_engine={"kind": args.engine, "max_batch": args.rollout_batch, "max_len": max_len_of(args),
+        rollout_engine={"kind": args.engine, "max_batch": run.rollout_batch or args.rollout_batch, "max_len": max_len_of(args),
                         "temperature": 1.0, "decode_attention": run.attention.removesuffix("+compile"),
                         # auto: the system's default fusion (on a GPU); an explicit attention: off unless +compile
                         **({} if run.attention == "auto" else {"decode_compile": run.attention.endswith("+compile")}),
