@@ -325,7 +325,7 @@ def main() -> int:
     ap.add_argument("--staleness", type=int, nargs="+", default=[2], help="staleness_threshold(s) of the async runs")
     ap.add_argument("--drop-at-consume", nargs="+", default=["true"], help="staleness.drop_at_consume: true, false or both")
     ap.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
-    ap.add_argument("--runs", nargs="+", default=None, help="MODE[:STALENESS[:DROP[:LEAD[:ORDER[:ATTN]]]]] ... (overrides the three above)")
+    ap.add_argument("--runs", nargs="+", default=None, help="MODE[:STALENESS[:DROP[:LEAD[:ORDER[:ATTN[:BATCH]]]]]] ... (overrides the three above)")
     ap.add_argument("--rollout-batch", type=int, default=256, help="the rollout engine's max_batch")
     ap.add_argument("--decode-attention", default="auto", choices=["auto", "sdpa", "matmul", "flash_varlen"],
                     help="torch engine: rollout_engine.decode_attention (auto: the system's default, with its "
