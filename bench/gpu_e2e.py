@@ -36,7 +36,10 @@ is the engine's full-batch rate and the trainer is mostly idle, rollout bounds t
 below the first is the two contending for the device). Under each run's row, the running batch over the
 same window, one character per sixtieth of it (fewer where it holds fewer samples; ▁ under 1/8 of
 max_batch .. █ from 7/8 on), with a ^ where an update ended: a synchronous run drains to ▁ before every
-^, an asynchronous one should not.
+^, an asynchronous one should not. Then, where the later half of the counted updates ran more than 10% away
+from the whole window, a "not steady" line with its samples/s and drop share: an asynchronous run's first
+updates after the warm-up drain what rollout made while the first update compiled, so a short window reads
+faster than the run goes on (2026-12-06, staleness 2: 3.8-4.2x over updates 2-5, 2.76x over updates 5-10).
 
 Run:  python3 bench/gpu_e2e.py                    (on the GPU machine: guess at 0.5B, ~2-4 min)
       bash scripts/gpu_headline.sh                (issue 15's table: longtail at 0.5B, both policies)
@@ -219,6 +222,8 @@ class Summary:
     gen_idle: float  # rollout tokens/s while the trainer waits
     gen_train: float  # rollout tokens/s while an update runs (the two share the GPU)
     timeline: tuple[str, str] = ("", "")  # batch_timeline: the running batch over the window, update ends
+    later_sps: float = float("nan")  # samples/s over the later half of the counted updates (steady_note)
+    later_dropped: float = float("nan")  # the share of finished samples dropped over that later half
 
 
 def counted_steps(records: list[dict], skip: int) -> tuple[list[dict], float]:
@@ -291,6 +296,28 @@ def generation_split(series: dict[str, list[dict]], counted: list[dict], t0: flo
     return rate(False), rate(True)
 
 
+def later_half(counted: list[dict], t0: float, before: dict | None) -> tuple[float, float]:
+    """Samples/s and the share of finished samples dropped over the later half of the counted updates
+    (at least one): a window still draining what rollout made during the first update's warm-up reads
+    faster than the run goes on, so this beside the whole window's figure says whether it is steady."""
+    half = counted[len(counted) // 2:]
+    start = counted[len(counted) // 2 - 1]["t_end"] if len(counted) > 1 else t0
+    prior = counted[len(counted) // 2 - 1] if len(counted) > 1 else before
+    samples = sum(r["samples"] for r in half)
+    dropped = half[-1].get("stale_dropped", 0) - (prior or {}).get("stale_dropped", 0)
+    span = half[-1]["t_end"] - start
+    return (samples / span if span > 0 else float("nan")), dropped / max(1, samples + dropped)
+
+
+def steady_note(s: Summary, tolerance: float = 0.1) -> str:
+    """A line for a row whose later half ran more than ``tolerance`` away from its whole window."""
+    if not s.later_sps == s.later_sps or abs(s.later_sps / s.sps - 1) <= tolerance:
+        return ""
+    return (f"not steady: the later half of the counted updates ran at {s.later_sps:.1f} samples/s "
+            f"({100 * s.later_sps / s.sps:.0f}% of the window's), {100 * s.later_dropped:.0f}% of its finished "
+            f"samples dropped; count more updates (--steps, --skip) for the run's steady rate")
+
+
 def summarise(logs, skip: int) -> Summary:
     counted, t0 = counted_steps(logs.records, skip)
     t1 = counted[-1]["t_end"]
@@ -304,7 +331,10 @@ def summarise(logs, skip: int) -> Summary:
     batch, below = batch_summary(logs.batch, t0, t1)
     gen_idle, gen_train = generation_split(logs.batch, counted, t0, t1)
     timeline = batch_timeline(logs.batch, t0, t1, [r["t_end"] for r in counted])
-    return Summary(gen_idle=gen_idle, gen_train=gen_train, timeline=timeline, sps=samples / span, tps=generated / span, samples=samples, span=span,
+    before = next((r for r in steps if r["step"] == counted[0]["step"] - 1), None)
+    later_sps, later_dropped = later_half(counted, t0, before)
+    return Summary(later_sps=later_sps, later_dropped=later_dropped,
+                   gen_idle=gen_idle, gen_train=gen_train, timeline=timeline, sps=samples / span, tps=generated / span, samples=samples, span=span,
                    busy=sum(r["train_s"] for r in counted) / span, batch=batch, below_half=below,
                    staleness=dict(sorted(hist.items())), dropped=max((r.get("stale_dropped", 0) for r in steps), default=0),
                    over_bound=sum(r.get("over_bound", 0) for r in steps), trained=sum(r["samples"] for r in steps))
@@ -412,12 +442,15 @@ def bench(args, runs: list[Run], work: Path) -> int:
         line, marks = s.timeline
         print(f"{'':28s} running batch over those {s.span:.1f} s ({len(line)} slices, {TIMELINE_KEY}):\n"
               f"{'':28s} |{line}|\n{'':28s}  {marks}", flush=True)
+        if note := steady_note(s):
+            print(f"{'':28s} {note}", flush=True)
     sync = next((v for r, v in results.items() if r.mode == "sync"), None)
     fields = [f"workload={args.workload}", f"shape={args.shape}", f"engine={args.engine}"]
     for run, s in results.items():
         fields += [f"{run.name}_sps={s.sps:.2f}", f"{run.name}_tps={s.tps:.0f}", f"{run.name}_busy={s.busy:.2f}",
                    f"{run.name}_dropped={s.dropped}", f"{run.name}_over_bound={s.over_bound}",
-                   f"{run.name}_gen_idle_tps={s.gen_idle:.0f}", f"{run.name}_gen_train_tps={s.gen_train:.0f}"]
+                   f"{run.name}_gen_idle_tps={s.gen_idle:.0f}", f"{run.name}_gen_train_tps={s.gen_train:.0f}",
+                   f"{run.name}_later_sps={s.later_sps:.2f}"]
         if run.mode == "async" and sync is not None:
             fields.append(f"{run.name}_ratio={s.sps / baseline(results, run).sps:.2f}")
     if sync is not None:  # the ratios of the first async run before any other (the old RESULT's keys)

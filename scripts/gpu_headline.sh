@@ -24,7 +24,11 @@
 #                                                  on a GPU, against sdpa unfused; each async ratio over the
 #                                                  sync of its attention; "sdpa+compile", "flash_varlen" the
 #                                                  two apart)
-# Knobs (environment): ENGINE torch|vllm, SHAPE 0.5b|1.5b, RUNS, STEPS (8), SKIP (2), AGENTS (4), EXTRA
+# STEPS and SKIP default to 10 and 4: an asynchronous run's first updates after the warm-up drain a backlog
+# rollout built while the first update compiled, so fewer counted updates read faster than the run goes on
+# (bench/gpu_e2e.py prints "not steady" under such a row; 2026-12-06 at staleness 2: 3.8-4.2x over updates 2-5,
+# 2.76x over updates 5-10). The shorter STEPS=5 SKIP=1 examples above are what earlier tables ran.
+# Knobs (environment): ENGINE torch|vllm, SHAPE 0.5b|1.5b, RUNS, STEPS (10), SKIP (4), AGENTS (4), EXTRA
 # (more bench/gpu_e2e.py arguments), HEADLINE_TIMEOUT (560 s, the whole), RUN_TIMEOUT (300 s, each run).
 # Output: $OUT (default ./gpu_logs)/headline.log and headline/<run>.json.
 set -uo pipefail
@@ -48,6 +52,6 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1
 # shellcheck disable=SC2086
 timeout "${HEADLINE_TIMEOUT:-560}" python3 bench/gpu_e2e.py --workload longtail --shape "$SHAPE" --engine "$ENGINE" \
-    --batch 128 --trigger 64 --agents "${AGENTS:-4}" --steps "${STEPS:-8}" --skip "${SKIP:-2}" \
+    --batch 128 --trigger 64 --agents "${AGENTS:-4}" --steps "${STEPS:-10}" --skip "${SKIP:-4}" \
     --timeout "${RUN_TIMEOUT:-300}" --save "$OUT/headline" --runs $RUNS ${EXTRA:-} 2>&1 | tee "$OUT/headline.log"
 exit "${PIPESTATUS[0]}"

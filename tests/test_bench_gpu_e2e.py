@@ -14,7 +14,7 @@ import argparse  # noqa: E402
 
 import pytest  # noqa: E402
 
-from bench.gpu_e2e import Run, baseline, batch_timeline, parse_runs, topology  # noqa: E402
+from bench.gpu_e2e import Run, Summary, baseline, batch_timeline, later_half, parse_runs, steady_note, topology  # noqa: E402
 
 
 def test_timeline_is_the_mean_share_of_max_batch_per_slice_with_the_updates_marked():
@@ -57,12 +57,37 @@ def test_runs_take_a_decode_attention_and_an_async_ratio_is_over_the_sync_run_wi
     engines = [topology(Path("m"), r, topo_args)["rollout_engine"] for r in (runs[0], runs[1], compiled[0])]
     assert [(e["decode_attention"], e.get("decode_compile")) for e in engines] == \
         [("auto", None), ("flash_varlen", False), ("sdpa", True)]
-    for bad in ("async:2::::flash", "async:x", "async:2:true:bound:arrival:sdpa:more", "sync:::::sdpa+fuse"):
+    # BATCH: the rollout engine's max_batch for that run alone
+    batched = parse_runs(argparse.Namespace(**{**vars(args), "runs": ["async:2:true::::384"]}))[0]
+    assert batched == Run("async", 2, True, rollout_batch=384) and batched.name == "async_s2_drop_b384"
+    assert topology(Path("m"), batched, topo_args)["rollout_engine"]["max_batch"] == 384
+    assert topology(Path("m"), runs[0], topo_args)["rollout_engine"]["max_batch"] == 8
+    for bad in ("async:2::::flash", "async:x", "async:2:true:bound:arrival:sdpa:more", "sync:::::sdpa+fuse",
+                "async:2:true::::0", "async:2:true::::384:1"):
         with pytest.raises(SystemExit, match="MODE"):
             parse_runs(argparse.Namespace(**{**vars(args), "runs": [bad]}))
 
 
 @pytest.mark.slow
+def test_a_window_still_draining_the_warm_up_backlog_is_flagged_by_its_later_half():
+    # four counted updates of 128 after a skipped one: the first two back to back (a backlog), the later
+    # two waiting on rollout, with drops (cumulative stale_dropped) only there
+    ends, dropped = [10.0, 11.0, 12.0, 16.0, 20.0], [0, 0, 0, 20, 40]
+    records = [{"step": i, "t_end": t, "samples": 128, "stale_dropped": d} for i, (t, d) in enumerate(zip(ends, dropped))]
+    counted = records[1:]
+    sps, share = later_half(counted, 10.0, records[0])
+    assert sps == 256 / 8.0 and share == 40 / (256 + 40)
+    whole = 512 / 10.0
+    row = Summary(sps=whole, tps=0, samples=512, span=10, busy=0.5, batch="", below_half=0, staleness={}, dropped=40,
+                  over_bound=0, trained=640, gen_idle=0, gen_train=0, later_sps=sps, later_dropped=share)
+    note = steady_note(row)
+    assert note.startswith("not steady") and "32.0 samples/s" in note and "(62% of the window's), 14% of its finished" in note, note
+    steady = Summary(**{**vars(row), "later_sps": whole * 1.05})
+    assert steady_note(steady) == ""
+    # one counted update: its half is itself, from the window's start
+    assert later_half(records[1:2], 10.0, records[0]) == (128 / 1.0, 0.0)
+
+
 @pytest.mark.timeout(300)
 def test_the_cpu_smoke_run_prints_a_runs_row_and_its_running_batch_over_time():
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_e2e.py"), "--shape", "tiny", "--device", "cpu",
