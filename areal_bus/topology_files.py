@@ -63,8 +63,6 @@ def _check_decoder(topo: Topology, path: Path) -> list[str]:
     """The torch rollout engine, and the trainer's held-out evaluation on any engine, run the project's own
     decoder (areal_bus/modeling.py), which knows fewer architectures than transformers and vLLM: one it
     does not know is refused here, not in a rollout worker's crash loop."""
-    from areal_bus.modeling import ModelConfig
-
     uses = [(what, fix) for what, fix, used in (
         ("rollout_engine.kind 'torch'", "roll out with rollout_engine.kind 'vllm' (on a GPU)",
          topo.rollout_engine.kind == "torch"),
@@ -73,6 +71,10 @@ def _check_decoder(topo: Topology, path: Path) -> list[str]:
     ) if used]
     if not uses or topo.rollout_engine.kind == "sim":
         return []
+    # imported only here: it imports torch (~1.8 s on 2 cores), which a sim node's start (and a restart
+    # within the peers' 2 s liveness window) should not pay for a check that does not apply to it
+    from areal_bus.modeling import ModelConfig
+
     try:
         ModelConfig.from_hf(path)
     except (ValueError, KeyError) as err:

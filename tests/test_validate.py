@@ -189,3 +189,22 @@ def test_a_resolved_dump_reads_back_to_the_same_nodes():
     again = parse_topology(dump_resolved(topo))
     assert again == topo
     assert again.replicas("gateway") == 1 and again.replicas("probe") == 0
+
+
+def test_checking_a_sim_topologys_files_does_not_import_torch(tmp_path):
+    # A node starts by checking its topology's files; with the sim rollout engine the decoder check does
+    # not apply, and importing torch for it cost ~1.8 s on 2 cores: a rollout worker restarted under its
+    # name then missed the peers' 2 s liveness window (tests/test_gateway_restart.py).
+    import subprocess
+    import sys
+
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump({
+        "model": {"path": str(ROOT / "models" / "tiny-guess")},
+        "rollout_engine": {"kind": "sim"}, "trainer_engine": {"kind": "sim", "eval_interval": 5},
+        # the gateway needs the model (its tokenizer), so the model's files are checked
+        "nodes": {"bus": {}, "trainer": {}, "gateway": {"config": {"admin_token": "validate-test-admin-token"}}}}))
+    code = ("import sys\nfrom areal_bus.cli import _load\n_load(sys.argv[1])\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "t.yaml")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
