@@ -14,6 +14,9 @@ Run:   .venv/bin/python bench/async_vs_sync.py            (about 3 minutes on 2 
        .venv/bin/python bench/async_vs_sync.py --quick    (smaller, for a smoke test)
        .venv/bin/python bench/async_vs_sync.py --group-size 8 --in-order   (GRPO groups of 8, and one more
               async run with staleness.in_order: about 5 minutes)
+       .venv/bin/python bench/async_vs_sync.py --policies keep per_token   (more async runs with the other
+              over-stale policies: staleness.drop_at_consume false, staleness.per_token true; "tok/sample"
+              shows which lengths each one trains)
 """
 
 from __future__ import annotations
@@ -51,11 +54,14 @@ WORKLOAD = {
 }
 
 
+POLICIES = {"drop": {}, "keep": {"drop_at_consume": False}, "per_token": {"per_token": True}}
+
+
 def topology(mode: str, steps: int, scale: float, lead: str = "bound", group: int = 1,
-             in_order: bool = False) -> dict:
+             in_order: bool = False, policy: str = "drop") -> dict:
     topo = json.loads(json.dumps(WORKLOAD))
     topo["name"] = f"bench-{mode}"
-    topo["staleness"] = {"lead": lead}
+    topo["staleness"] = {"lead": lead, **POLICIES[policy]}
     if in_order:
         topo["staleness"]["in_order"] = True
     topo["agent"]["group_size"] = group
@@ -97,9 +103,10 @@ def describe(topo_dict: dict) -> list[str]:
 
 
 def run_mode(mode: str, steps: int, scale: float, keep: Path | None, lead: str = "bound", group: int = 1,
-             in_order: bool = False) -> list[dict]:
+             in_order: bool = False, policy: str = "drop") -> list[dict]:
     label = f"{mode}-in_order" if in_order else mode
-    records, wall = run_system(topology(mode, steps, scale, lead, group, in_order), label, keep, timeout=900)
+    label += "" if policy == "drop" else f"-{policy}"
+    records, wall = run_system(topology(mode, steps, scale, lead, group, in_order, policy), label, keep, timeout=900)
     if len(records) < steps:
         raise RuntimeError(f"{label}: only {len(records)} of {steps} steps recorded")
     print(f"  {label}: {len(records)} steps in {wall:.1f} s wall (incl. start-up and shut-down)", flush=True)
@@ -139,6 +146,9 @@ def main() -> int:
     p.add_argument("--lead", choices=("bound", "adaptive"), default="bound", help="staleness.lead of the async run")
     p.add_argument("--group-size", type=int, default=1, help="agent.group_size (GRPO groups) of every run")
     p.add_argument("--in-order", action="store_true", help="also an async run with staleness.in_order")
+    p.add_argument("--policies", nargs="+", default=[], choices=("keep", "per_token"),
+                   help="also an async run for each: keep (staleness.drop_at_consume false), per_token "
+                        "(staleness.per_token true; the default async run drops whole samples at consumption)")
     args = p.parse_args()
     if args.quick:
         args.async_steps, args.sync_steps = 12, 5
@@ -152,6 +162,9 @@ def main() -> int:
     if args.in_order:
         res["async in_order"] = summarize(run_mode("async", args.async_steps, args.scale, args.keep_logs, args.lead,
                                                    args.group_size, True), 4)
+    for policy in args.policies:
+        res[f"async {policy}"] = summarize(run_mode("async", args.async_steps, args.scale, args.keep_logs, args.lead,
+                                                    args.group_size, policy=policy), 4)
     ratio = res["async"]["samples_per_s"] / res["sync"]["samples_per_s"]
     staleness = WORKLOAD["staleness_threshold"]
     print()
@@ -170,6 +183,11 @@ def main() -> int:
         in_order = res["async in_order"]["samples_per_s"] / res["sync"]["samples_per_s"]
         print(f"async in_order / sync samples/s: {in_order:.2f}x")
         extra = f" in_order_ratio={in_order:.2f}"
+    for policy in args.policies:
+        r = res[f"async {policy}"]
+        print(f"async {policy} / sync samples/s: {r['samples_per_s'] / res['sync']['samples_per_s']:.2f}x, "
+              f"consumed over the bound: {sum(v for k, v in r['staleness'].items() if k > staleness)}")
+        extra += f" {policy}_ratio={r['samples_per_s'] / res['sync']['samples_per_s']:.2f}"
     print(f"RESULT ratio={ratio:.2f} async_samples_per_s={res['async']['samples_per_s']:.2f} "
           f"sync_samples_per_s={res['sync']['samples_per_s']:.2f} "
           f"async_trainer_idle={res['async']['idle_fraction']:.3f} "
