@@ -26,7 +26,9 @@ rollout_engine.decode_compile off, ``ATTN+compile``, e.g. ``sync:::::sdpa+compil
 ratio is over the sync run with the same ATTN), ``async:2:true::::384`` for the rollout engine's max_batch
 (BATCH, default ``--rollout-batch``); an empty field takes its default;
 default: every --modes x --staleness x --drop-at-consume, sync once; sync runs first): DROP is
-``staleness.drop_at_consume`` (README: Knobs); a synchronous run has neither. Every async run's ratio
+``staleness.drop_at_consume`` (``true``, ``false``; README: Knobs) or ``per_token`` (the drop with
+``staleness.per_token``: a sample's tokens past the bound masked, e.g. ``async:2:per_token``); a
+synchronous run has neither. Every async run's ratio
 is over the sync run of the same invocation. Samples/s and tokens/s (generated tokens) count what the
 trainer consumed after the first ``--skip`` updates (CUDA start-up and warm-up excluded); the running
 batch (rollout_batch-*.jsonl, a record every 0.5 s) is summarised over that same window: min / median /
@@ -113,6 +115,7 @@ class Run:
     in_order: bool = False  # staleness.in_order
     attention: str = "auto"  # rollout_engine.decode_attention (torch engine), "+compile": decode_compile on
     rollout_batch: int = 0  # rollout_engine.max_batch; 0: --rollout-batch
+    per_token: bool = False  # staleness.per_token (with the drop): the bound applies to each token
 
     @property
     def name(self) -> str:
@@ -122,7 +125,7 @@ class Run:
         attn += f"_b{self.rollout_batch}" if self.rollout_batch else ""
         if self.mode == "sync":
             return f"sync{attn}"
-        return f"async_s{self.staleness}_{'drop' if self.drop else 'keep'}{lead}{order}{attn}"
+        return f"async_s{self.staleness}_{self.policy}{lead}{order}{attn}"
 
     @property
     def label(self) -> str:
@@ -131,13 +134,19 @@ class Run:
         if self.mode == "sync":
             return f"sync{attn}"
         lead = "" if self.lead == "bound" else f" {self.lead}"
-        return f"async s{self.staleness} {'drop' if self.drop else 'keep'}{lead}{' in_order' if self.in_order else ''}{attn}"
+        return f"async s{self.staleness} {self.policy}{lead}{' in_order' if self.in_order else ''}{attn}"
+
+    @property
+    def policy(self) -> str:
+        """What happens to an over-stale sample: drop (whole), per_token (its tokens past the bound
+        masked, dropped only when its newest is), keep (trained)."""
+        return ("per_token" if self.per_token else "drop") if self.drop else "keep"
 
 
 def parse_runs(args) -> list[Run]:
     def flag(text: str) -> bool:
         if text not in ("true", "false"):
-            raise SystemExit(f"--drop-at-consume / --runs: {text!r} is not true or false")
+            raise SystemExit(f"--drop-at-consume / --runs: {text!r} is not true or false (DROP in --runs: also per_token)")
         return text == "true"
 
     attention = args.decode_attention
@@ -158,8 +167,9 @@ def parse_runs(args) -> list[Run]:
                                  f"(an empty field: its default)")
             if attn.startswith("+"):  # "+compile": the default attention, compiled
                 attn = attention + attn
-            runs.append(Run(mode, int(staleness) if staleness else args.staleness[0], flag(drop) if drop else True,
-                            lead or "bound", order == "in_order", attn or attention, int(batch or 0)))
+            runs.append(Run(mode, int(staleness) if staleness else args.staleness[0],
+                            drop == "per_token" or (flag(drop) if drop else True), lead or "bound",
+                            order == "in_order", attn or attention, int(batch or 0), drop == "per_token"))
         return runs
     runs = [Run("async", s, flag(d), attention=attention) for s in args.staleness for d in args.drop_at_consume] \
         if "async" in args.modes else []
@@ -182,7 +192,8 @@ def topology(model: Path, run: Run, args) -> dict:
     topo = yaml.safe_load((ROOT / "topology" / "default.yaml").read_text())
     topo.update(
         name=f"e2e-{run.name}", rollout_workers=1, max_steps=args.steps, staleness_threshold=run.staleness,
-        staleness={"drop_at_consume": run.drop, "lead": run.lead, "in_order": run.in_order and run.mode == "async"},
+        staleness={"drop_at_consume": run.drop, "per_token": run.per_token and run.mode == "async", "lead": run.lead,
+                   "in_order": run.in_order and run.mode == "async"},
         queue_max_size=4 * args.batch, trigger_batch_size=args.trigger or args.batch // 2, global_batch_size=args.batch,
         mini_batch_size=args.batch // 2, logging={"log_dir": "logs", "log_interval": 5, "save_interval": 0},
         model={"path": str(model), "dtype": args.dtype, "device": args.device, "trainer_device": args.trainer_device,

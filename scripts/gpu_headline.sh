@@ -17,6 +17,8 @@
 #     ENGINE=vllm bash scripts/gpu_headline.sh     (vLLM, once scripts/gpu_vllm.sh has installed it into
 #                                                  /tmp/site: a second command, it does not fit in the first's 10 minutes)
 #     SHAPE=1.5b RUNS="sync async:2:true" bash scripts/gpu_headline.sh
+#     RUNS="sync async:2:true async:2:per_token async:2:false" bash scripts/gpu_headline.sh   (the three
+#                                                  over-stale policies: drop, staleness.per_token, keep)
 #     RUNS="sync async:2:true async:2:true:bound:in_order" bash scripts/gpu_headline.sh   (staleness.in_order
 #                                                  against arrival order, the speed side of the SmolLM2 runs)
 #     STEPS=5 SKIP=1 RUNS="sync async:2:true sync:::::sdpa async:2::::sdpa" bash scripts/gpu_headline.sh

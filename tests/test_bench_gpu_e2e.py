@@ -57,6 +57,12 @@ def test_runs_take_a_decode_attention_and_an_async_ratio_is_over_the_sync_run_wi
     engines = [topology(Path("m"), r, topo_args)["rollout_engine"] for r in (runs[0], runs[1], compiled[0])]
     assert [(e["decode_attention"], e.get("decode_compile")) for e in engines] == \
         [("auto", None), ("flash_varlen", False), ("sdpa", True)]
+    # DROP per_token: the drop with staleness.per_token
+    per_token = parse_runs(argparse.Namespace(**{**vars(args), "runs": ["async:2:per_token", "async:2:false"]}))
+    assert per_token[0] == Run("async", 2, True, per_token=True) and per_token[0].name == "async_s2_per_token"
+    assert [topology(Path("m"), r, topo_args)["staleness"]["per_token"] for r in per_token + runs[:1]] == \
+        [True, False, False]
+    assert per_token[1].name == "async_s2_keep" and runs[2].name == "async_s4_keep"
     # BATCH: the rollout engine's max_batch for that run alone
     batched = parse_runs(argparse.Namespace(**{**vars(args), "runs": ["async:2:true::::384"]}))[0]
     assert batched == Run("async", 2, True, rollout_batch=384) and batched.name == "async_s2_drop_b384"
@@ -66,6 +72,8 @@ def test_runs_take_a_decode_attention_and_an_async_ratio_is_over_the_sync_run_wi
                 "async:2:true::::0", "async:2:true::::384:1"):
         with pytest.raises(SystemExit, match="MODE"):
             parse_runs(argparse.Namespace(**{**vars(args), "runs": [bad]}))
+    with pytest.raises(SystemExit, match="also per_token"):
+        parse_runs(argparse.Namespace(**{**vars(args), "runs": ["async:2:per-token"]}))
 
 
 @pytest.mark.slow
