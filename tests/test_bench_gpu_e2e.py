@@ -76,7 +76,6 @@ def test_runs_take_a_decode_attention_and_an_async_ratio_is_over_the_sync_run_wi
         parse_runs(argparse.Namespace(**{**vars(args), "runs": ["async:2:per-token"]}))
 
 
-@pytest.mark.slow
 def test_a_window_still_draining_the_warm_up_backlog_is_flagged_by_its_later_half():
     # four counted updates of 128 after a skipped one: the first two back to back (a backlog), the later
     # two waiting on rollout, with drops (cumulative stale_dropped) only there
@@ -96,6 +95,7 @@ def test_a_window_still_draining_the_warm_up_backlog_is_flagged_by_its_later_hal
     assert later_half(records[1:2], 10.0, records[0]) == (128 / 1.0, 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_cpu_smoke_run_prints_a_runs_row_and_its_running_batch_over_time():
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_e2e.py"), "--shape", "tiny", "--device", "cpu",

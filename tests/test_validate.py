@@ -9,6 +9,8 @@ Paths are relative to the folder supervisord.conf is in, which is the cwd of `ar
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -195,11 +197,8 @@ def test_checking_a_sim_topologys_files_does_not_import_torch(tmp_path):
     # A node starts by checking its topology's files; with the sim rollout engine the decoder check does
     # not apply, and importing torch for it cost ~1.8 s on 2 cores: a rollout worker restarted under its
     # name then missed the peers' 2 s liveness window (tests/test_gateway_restart.py).
-    import subprocess
-    import sys
-
     (tmp_path / "t.yaml").write_text(yaml.safe_dump({
-        "model": {"path": str(ROOT / "models" / "tiny-guess")},
+        "model": {"path": str(MODEL)},
         "rollout_engine": {"kind": "sim"}, "trainer_engine": {"kind": "sim", "eval_interval": 5},
         # the gateway needs the model (its tokenizer), so the model's files are checked
         "nodes": {"bus": {}, "trainer": {}, "gateway": {"config": {"admin_token": "validate-test-admin-token"}}}}))
