@@ -8,8 +8,8 @@ __version__ = "0.1.0"
 
 # The loss needs torch, and importing torch costs seconds and hundreds of MB: every node imports
 # areal_bus, but only the trainer trains. So these names resolve on first access (PEP 562) instead of
-# the eager ``from areal_bus.loss import decoupled_ppo_loss, grpo_advantages``.
-_LAZY = {"decoupled_ppo_loss": "areal_bus.loss", "grpo_advantages": "areal_bus.loss"}
+# the eager ``from areal_bus.train.loss import decoupled_ppo_loss, grpo_advantages``.
+_LAZY = {"decoupled_ppo_loss": "areal_bus.train.loss", "grpo_advantages": "areal_bus.train.loss"}
 
 __all__ = ["__version__", "decoupled_ppo_loss", "grpo_advantages"]
 

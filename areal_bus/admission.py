@@ -63,7 +63,7 @@ at is the updates it holds), and a sample's versions are the int32 numbers its t
 
 from __future__ import annotations
 
-from areal_bus import messages as m
+from areal_bus.wire import messages as m
 from areal_bus.constants import SOURCE_GONE_S
 from areal_bus.version import PolicyVersion
 

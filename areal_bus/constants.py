@@ -118,7 +118,7 @@ startretries), and one that comes back later takes its share again at its first 
 
 WATCHDOG_SILENT_S = 5.0
 """A node whose heartbeat has been missing this long while its process lives is logged as stalled by
-the watchdog (areal_bus/watchdog.py). Peers call a node dead after 2 s (HEARTBEAT_LIVENESS); the
+the watchdog (areal_bus/launch/watchdog.py). Peers call a node dead after 2 s (HEARTBEAT_LIVENESS); the
 watchdog waits longer, so a GC pause or a loaded box is not reported, and only for the process that
 is still there: the one a restart by supervisord would not cover."""
 

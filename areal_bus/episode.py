@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from areal_bus.messages import Completion, Trajectory
+from areal_bus.wire.messages import Completion, Trajectory
 
 
 class EpisodeRecord:

@@ -35,7 +35,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator
 
 from areal_bus.gateway_client import describe_no_choices, describe_unreachable, http_problem
-from areal_bus.topology import read_yaml
+from areal_bus.config.topology import read_yaml
 
 ROLES = ("policy_model", "reward_model", "judge_model")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_bus.messages import Trajectory
+from areal_bus.wire.messages import Trajectory
 
 REASONS = ("empty", "misaligned", "bad_dtype", "bad_id", "bad_mask", "bad_version", "future_version", "bad_number")
 """Every reason code ``check_trajectory`` gives (the part before the colon): metrics are named by them."""

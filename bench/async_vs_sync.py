@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from areal_bus.engines.sim import draw_length  # noqa: E402
-from areal_bus.topology import parse_topology  # noqa: E402
+from areal_bus.config.topology import parse_topology  # noqa: E402
 from bench.harness import run_system  # noqa: E402
 
 WORKLOAD = {

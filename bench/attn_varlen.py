@@ -8,7 +8,7 @@ Workload: sample lengths as bench/trainer.py draws them (lognormal, median 500, 
 heads, 2 key/value heads, head_dim 64; 1.5B: 12 / 2 / 128), bf16; and FlashAttention-4 (``fa4``: the
 flash-attn-4 package through the trainer's operators; ``fa4c``: the same inside a compiled function;
 ``fa4w``: ``fa4`` with the package's entry points run whole on every call instead of replayed,
-``areal_bus.launch_replay``), where the package is installed. Checked first: each backend's output and
+``areal_bus.train.launch_replay``), where the package is installed. Checked first: each backend's output and
 gradients against float32 attention computed sample by sample (max abs error). Timed:
 --iters forward+backward passes after --warmup, CUDA events, and the attention FLOPs (causal: 2 x 2 x
 sum len^2 x heads x head_dim / 2 per forward, x 2.5 more for backward); and the host's own time per
@@ -70,11 +70,11 @@ def fa2_gqa(q, k, v, cu, longest, scale):
 
 
 def _register_fa4():
-    """areal_bus.fa4_ops (importing it registers the operators), imported once, not on every timed call."""
-    if "areal_bus.fa4_ops" not in sys.modules:
+    """areal_bus.train.fa4_ops (importing it registers the operators), imported once, not on every timed call."""
+    if "areal_bus.train.fa4_ops" not in sys.modules:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        import areal_bus.fa4_ops  # noqa: F401
-    return sys.modules["areal_bus.fa4_ops"]
+        import areal_bus.train.fa4_ops  # noqa: F401
+    return sys.modules["areal_bus.train.fa4_ops"]
 
 
 def fa4(q, k, v, cu, longest, scale):

@@ -1,8 +1,8 @@
 """Data-path throughput: one 3,000-token Trajectory through encode, PUSH, PULL, decode, beside raw pyzmq.
 
-Two processes, one real pipe between them: this process encodes with ``areal_bus.codec.Encoder`` and
+Two processes, one real pipe between them: this process encodes with ``areal_bus.wire.codec.Encoder`` and
 sends on a PUSH socket; a spawned receiver takes the frames off a PULL socket (``copy=False``, as
-``channels.Receiver`` does) and decodes them with ``areal_bus.codec.decode``. The baseline is raw
+``channels.Receiver`` does) and decodes them with ``areal_bus.wire.codec.decode``. The baseline is raw
 pyzmq moving the same frames (the same byte sizes, pre-built bytes, the same send and receive calls)
 between the same two processes with no encode or decode. Sockets come from ``channels.open_socket``
 with the topology's default queue_max_size as high-water mark, like the samples and train channels.
@@ -34,10 +34,10 @@ import typing
 import numpy as np
 import zmq
 
-from areal_bus.channels import open_socket
-from areal_bus.codec import Encoder, decode
-from areal_bus.messages import Trajectory
-from areal_bus.topology import Topology
+from areal_bus.wire.channels import open_socket
+from areal_bus.wire.codec import Encoder, decode
+from areal_bus.wire.messages import Trajectory
+from areal_bus.config.topology import Topology
 
 PROMPT_TOKENS = 128
 OUTPUT_TOKENS = 3000

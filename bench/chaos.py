@@ -9,7 +9,7 @@ trainer, weight broadcaster) under a real supervisord:
   chaos  durability.spool true, N kills -9, spread over every node kind present (gateway, agent,
          rollout, reward, trainer, weights), one at a time, each process back up before the next
 
-The audit (areal_bus.ledger.audit) reads the ledger under logs/ledger/: ids each episode source
+The audit (areal_bus.runtime.ledger.audit) reads the ledger under logs/ledger/: ids each episode source
 produced, ids the trainer accepted (committed to its spool), and the ids of every update and stale
 drop with the trainer incarnation that made it; the final lineage is followed back through the
 checkpoints each restarted trainer resumed from. lost = accepted but neither trained nor dropped in
@@ -40,9 +40,9 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from areal_bus.ledger import audit, read  # noqa: E402
-from areal_bus.render import program_name, write_conf  # noqa: E402
-from areal_bus.topology import NODE_KINDS, parse_topology  # noqa: E402
+from areal_bus.runtime.ledger import audit, read  # noqa: E402
+from areal_bus.launch.render import program_name, write_conf  # noqa: E402
+from areal_bus.config.topology import NODE_KINDS, parse_topology  # noqa: E402
 
 BIN = Path(sys.executable).parent
 
@@ -100,7 +100,7 @@ class Supervised:
         return got
 
     def processes(self) -> list[str]:
-        # A supervisord program per replica, named as its node (areal_bus.render.program_name).
+        # A supervisord program per replica, named as its node (areal_bus.launch.render.program_name).
         return [program_name(k, i) for k in NODE_KINDS for i in range(self.topo.replicas(k))]
 
     def running(self) -> bool:
@@ -212,8 +212,8 @@ def spool_cost(tokens: int, rows: int = 512, batch: int = 64) -> float:
     (encoding it into the spool and its share of a batched commit), measured on this machine."""
     import numpy as np
 
-    from areal_bus import messages as m
-    from areal_bus.spool import Spool
+    from areal_bus.wire import messages as m
+    from areal_bus.runtime.spool import Spool
 
     folder = Path(tempfile.mkdtemp(prefix="ab-spool-", dir="/tmp"))
     try:

@@ -67,8 +67,8 @@ import torch  # noqa: E402
 
 from areal_bus.engines.cuda_decode import ATTENTION  # noqa: E402
 from areal_bus.engines.torch_engine import TorchRolloutEngine  # noqa: E402
-from areal_bus.messages import GenerateRequest  # noqa: E402
-from areal_bus.modeling import QWEN2_0_5B, TINY_QWEN2, make_random_model, token_logprobs  # noqa: E402
+from areal_bus.wire.messages import GenerateRequest  # noqa: E402
+from areal_bus.model.modeling import QWEN2_0_5B, TINY_QWEN2, make_random_model, token_logprobs  # noqa: E402
 
 LOGPROB_BATCH = 8
 SHAPES = {"0.5b": QWEN2_0_5B,
@@ -78,7 +78,7 @@ SHAPES = {"0.5b": QWEN2_0_5B,
 
 def run_vllm(model, args, prompts: dict[int, torch.Tensor], lp_prompts: torch.Tensor) -> dict:
     """bench/vllm_engine.py on these weights and prompts, in its own process; its VLLM_JSON result."""
-    from areal_bus.modeling import save_pretrained
+    from areal_bus.model.modeling import save_pretrained
 
     work = Path(tempfile.mkdtemp(prefix="ab-vllm-bench-"))
     save_pretrained(model, work / "model")
@@ -144,7 +144,7 @@ def longtail_lengths(batch: int, seed: int = 0) -> list[int]:
     """New tokens per row as the headline draws them (engines.sim.draw_length: lognormal, median 500,
     sigma 0.8, clipped 200..3,000), seeded."""
     from areal_bus.engines.sim import draw_length
-    from areal_bus.topology import LengthDistribution
+    from areal_bus.config.topology import LengthDistribution
 
     dist = LengthDistribution(dist="lognormal", median=500, sigma=0.8, min=200, max=3000)
     rng = np.random.default_rng(seed)

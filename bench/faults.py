@@ -2,7 +2,7 @@
 
 One small simulated topology (bench/chaos.py's: bus, agent, 2 rollout workers, reward, trainer, weight
 broadcaster; no gateway) under a real supervisord per scenario; the fault is injected mid-run, the run
-must finish by itself, and the ledger audit (areal_bus.ledger.audit) gives the counts:
+must finish by itself, and the ledger audit (areal_bus.runtime.ledger.audit) gives the counts:
 
   baseline      no fault (the counts every other row is compared with)
   poisoned      two trajectories pushed on the train channel: one misaligned (refused on arrival), one
@@ -44,9 +44,9 @@ import zmq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from areal_bus import messages as m  # noqa: E402
-from areal_bus.codec import Encoder, pack_topic  # noqa: E402
-from areal_bus.ledger import audit  # noqa: E402
+from areal_bus.wire import messages as m  # noqa: E402
+from areal_bus.wire.codec import Encoder, pack_topic  # noqa: E402
+from areal_bus.runtime.ledger import audit  # noqa: E402
 from bench.chaos import BIN, Supervised, topology  # noqa: E402
 
 STEPS = 80

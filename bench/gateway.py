@@ -70,11 +70,11 @@ from aiohttp import web
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from areal_bus.codec import Encoder  # noqa: E402
-from areal_bus.logs import setup_logging  # noqa: E402
-from areal_bus.metrics import Metrics  # noqa: E402
+from areal_bus.wire.codec import Encoder  # noqa: E402
+from areal_bus.runtime.logs import setup_logging  # noqa: E402
+from areal_bus.runtime.metrics import Metrics  # noqa: E402
 from areal_bus.tasks.runner import load_tokenizer  # noqa: E402
-from areal_bus.topology import parse_topology  # noqa: E402
+from areal_bus.config.topology import parse_topology  # noqa: E402
 from nodes.gateway.app import GATEWAY, bound_port, make_app, start_server  # noqa: E402
 from nodes.gateway.backend import SamplingParams  # noqa: E402
 from nodes.gateway.bus_backend import BusBackend, NoWorker  # noqa: E402

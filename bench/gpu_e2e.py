@@ -74,7 +74,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from areal_bus.topology import TopologyError, parse_topology  # noqa: E402
+from areal_bus.config.topology import TopologyError, parse_topology  # noqa: E402
 from bench.harness import run_logged  # noqa: E402
 
 SHAPES = {
@@ -92,7 +92,7 @@ TEMPLATE_TOKENS = 16
 
 def build_model(out: Path, shape: str, dtype: str, max_len: int) -> int:
     """The tiny model's config and tokenizer with the chosen body, seeded random weights."""
-    from areal_bus.modeling import make_random_model, num_params, save_pretrained
+    from areal_bus.model.modeling import make_random_model, num_params, save_pretrained
 
     src = ROOT / "models" / "tiny-guess"
     cfg = json.loads((src / "config.json").read_text())

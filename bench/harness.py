@@ -16,9 +16,9 @@ from pathlib import Path
 
 import yaml
 
-from areal_bus.render import write_conf
-from areal_bus.runend import OUTCOME
-from areal_bus.topology import parse_topology
+from areal_bus.launch.render import write_conf
+from areal_bus.launch.runend import OUTCOME
+from areal_bus.config.topology import parse_topology
 
 
 @dataclass
@@ -38,7 +38,7 @@ def run_system(topo: dict, name: str, keep: Path | None = None, timeout: float =
 
 
 def check_outcome(log_dir: Path, name: str) -> None:
-    """Raise unless the run ended well. supervisord exits 0 however the run ended (areal_bus/runend.py
+    """Raise unless the run ended well. supervisord exits 0 however the run ended (areal_bus/launch/runend.py
     asks it to shut down); the verdict is in log_dir's outcome file. A run that failed (a node
     crash-looping, a stalled node) is an error, not a short run whose few records would pass as its result."""
     try:

@@ -38,7 +38,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from areal_bus.topology import parse_topology  # noqa: E402
+from areal_bus.config.topology import parse_topology  # noqa: E402
 from bench.gpu_e2e import TIMELINE_KEY, summarise  # noqa: E402
 from bench.harness import run_logged  # noqa: E402
 

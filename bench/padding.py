@@ -1,7 +1,7 @@
 """How much of the trainer's computed tokens are padding, on the seed's workload (CPU, seconds).
 
 The trainer pads each micro-batch to a multiple of ``trainer_engine.micro_batch_pad_tokens`` (1,024 on a
-GPU) so that cuBLAS sees a few row counts again and again (areal_bus/packing.py). Padding is computed
+GPU) so that cuBLAS sees a few row counts again and again (areal_bus/train/packing.py). Padding is computed
 like any token but trains nothing, so it is tokens/s lost one for one. This prints, for each micro-batch
 cap and padding multiple, the padding as a share of the real tokens, the micro-batches per update and the
 distinct padded lengths (the row counts cuBLAS meets): with the samples grouped in their order (the
@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from areal_bus.packing import _groups, mini_batch_members  # noqa: E402
+from areal_bus.train.packing import _groups, mini_batch_members  # noqa: E402
 from bench.trainer import make_updates  # noqa: E402
 
 

@@ -29,7 +29,7 @@ the same random float32 weights (a Hugging Face folder written once per shape).
             8192 (4096 otherwise), ``+padN`` trainer_engine.micro_batch_pad_tokens N, ``+keepN``
             trainer_engine.logit_grad_keep_gib N, ``+fa4`` trainer_engine.attn_implementation
             areal_varlen_fa4 (FlashAttention-4's kernels; needs the flash-attn-4 package), ``+fa4whole``
-            the same with its entry points run whole on every call (areal_bus.fa4_ops.FA4_REPLAY off);
+            the same with its entry points run whole on every call (areal_bus.train.fa4_ops.FA4_REPLAY off);
             bench-only tries of inductor's settings with +compile: ``+cppwrap`` (cpp_wrapper), ``+combo``
             (combo_kernels), ``+autotune`` (max_autotune_gemm), ``+noguard`` (after the warm-up,
             torch.compiler.set_stance's skip_guard_eval_unsafe), ``+gcfreeze`` (after the warm-up,
@@ -78,12 +78,12 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from areal_bus.loss import decoupled_ppo_loss  # noqa: E402
-from areal_bus.modeling import QWEN2_0_5B, TINY_QWEN2, make_random_model, token_logprobs  # noqa: E402
-from areal_bus.modeling import save_pretrained  # noqa: E402
-from areal_bus.fa4_ops import fa4_replay_stats  # noqa: E402
-from areal_bus.train_model import VARLEN, VARLEN_FA4, train_flops  # noqa: E402
-from areal_bus.packing import mini_batches as split  # noqa: E402
+from areal_bus.train.loss import decoupled_ppo_loss  # noqa: E402
+from areal_bus.model.modeling import QWEN2_0_5B, TINY_QWEN2, make_random_model, token_logprobs  # noqa: E402
+from areal_bus.model.modeling import save_pretrained  # noqa: E402
+from areal_bus.train.fa4_ops import fa4_replay_stats  # noqa: E402
+from areal_bus.train.train_model import VARLEN, VARLEN_FA4, train_flops  # noqa: E402
+from areal_bus.train.packing import mini_batches as split  # noqa: E402
 
 PEAK_BF16 = 989e12
 WORKER_TIMEOUT_S = 420  # one path at one shape, compilation included; past it the path reports no result
@@ -179,13 +179,13 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
         raise SystemExit(f"--paths: unknown flag in {variant!r} ({', '.join(sorted(known))}, padN, keepN)")
     keep = 0 if "nokeep" in flags else (keeps[0] if keeps else None)
     if "fa4whole" in flags:
-        from areal_bus import fa4_ops
+        from areal_bus.train import fa4_ops
 
         fa4_ops.FA4_REPLAY = False
     prox = "loglinear" if "loglinear" in flags else "recompute"
     # Today's schema's defaults under the fields set here, so a knob added to the engine later reads its
     # default instead of failing here (the old tree's engine reads the explicit ones).
-    from areal_bus.topology import StalenessConfig, TrainerEngineConfig
+    from areal_bus.config.topology import StalenessConfig, TrainerEngineConfig
 
     return SimpleNamespace(
         is_async=False, staleness_threshold=2, staleness=SimpleNamespace(**StalenessConfig().model_dump()),
@@ -430,7 +430,7 @@ def main() -> int:
                     "(default: the engine's own, 1024 on CUDA)")
     ap.add_argument("--baseline-rows", type=int, default=8, help="baseline: padded rows per forward")
     ap.add_argument("--attn", default=VARLEN, help=f"engine: trainer_engine.attn_implementation ({VARLEN}: "
-                    f"FlashAttention varlen, areal_bus/train_model.py; or sdpa, flex_attention)")
+                    f"FlashAttention varlen, areal_bus/train/train_model.py; or sdpa, flex_attention)")
     ap.add_argument("--checkpointing", action="store_true", help="engine: trainer_engine.gradient_checkpointing")
     ap.add_argument("--profile", action="store_true", help="print each path's torch profile of its first timed update")
     ap.add_argument("--trace", default=None, help="with --profile (one path): write the chrome trace of the profiled "

@@ -51,13 +51,13 @@ import torch.multiprocessing as tmp  # noqa: E402
 
 from areal_bus.engines.torch_parallel import ParallelTrainEngine, RankGroup, backend_for  # noqa: E402
 from areal_bus.engines.torch_train import TorchTrainEngine  # noqa: E402
-from areal_bus.modeling import QWEN2_0_5B, TINY_QWEN2, make_random_model, save_pretrained  # noqa: E402
+from areal_bus.model.modeling import QWEN2_0_5B, TINY_QWEN2, make_random_model, save_pretrained  # noqa: E402
 
 RANK_TIMEOUT_S = 600  # a layout whose ranks have not finished by then has hung in a collective
 
 
 def bench_topology(args, dp: int, tp: int) -> SimpleNamespace:
-    """The topology fields the trainer engines read, with the schema's defaults (areal_bus/topology.py;
+    """The topology fields the trainer engines read, with the schema's defaults (areal_bus/config/topology.py;
     pydantic is not on the GPU host, so not the schema itself)."""
     return SimpleNamespace(
         trainer_engine=SimpleNamespace(kl_coef=0.0, ppo_epochs=1, eps_clip=0.2, eps_clip_high=None,

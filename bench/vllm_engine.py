@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from areal_bus.messages import GenerateRequest  # noqa: E402
+from areal_bus.wire.messages import GenerateRequest  # noqa: E402
 
 LOGPROB_BATCH = 8
 SWAP_BATCH = 64
@@ -83,7 +83,7 @@ def rows(engine, prompts: dict[int, np.ndarray], new: int, vocab: int) -> dict:
 
 
 def logprob_gap(engine, model_dir: str, prompts: np.ndarray, new: int) -> dict:
-    from areal_bus.modeling import load_pretrained, token_logprobs
+    from areal_bus.model.modeling import load_pretrained, token_logprobs
 
     _, out = generate(engine, [request(f"lp{i}", p, new) for i, p in enumerate(prompts)])
     model = load_pretrained(model_dir, "cuda", torch.bfloat16)
@@ -104,8 +104,8 @@ def logprob_gap(engine, model_dir: str, prompts: np.ndarray, new: int) -> dict:
 def publisher(model_dir: str, conn) -> None:
     """The trainer's side, in a process of its own: the checkpoint's weights plus noise as versions
     1 and 2 in CUDA buffers; handles, then each location with the wall time its write began."""
-    from areal_bus.modeling import load_safetensors
-    from areal_bus.weights_cuda import CudaWeightWriter
+    from areal_bus.model.modeling import load_safetensors
+    from areal_bus.weights.cuda import CudaWeightWriter
 
     sd = {k: v.to(torch.bfloat16) for k, v in load_safetensors(model_dir, "cuda").items()}
     writer = CudaWeightWriter("vllmbench", {k: v.to("meta") for k, v in sd.items()}, device="cuda")
@@ -215,7 +215,7 @@ def main() -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     args = ap.parse_args()
     from areal_bus.engines.vllm_engine import VllmRolloutEngine
-    from areal_bus.modeling import ModelConfig
+    from areal_bus.model.modeling import ModelConfig
 
     data = np.load(args.prompts)
     prompts = {int(k[1:]): data[k] for k in data.files if k.startswith("b")}

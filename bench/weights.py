@@ -45,11 +45,11 @@ import time
 import torch
 import zmq
 
-from areal_bus import messages as m
-from areal_bus.channels import open_socket
-from areal_bus.codec import Encoder, decode, pack_topic
-from areal_bus.modeling import param_shapes
-from areal_bus.weights_shm import ShmWeightReader, ShmWeightWriter
+from areal_bus.wire import messages as m
+from areal_bus.wire.channels import open_socket
+from areal_bus.wire.codec import Encoder, decode, pack_topic
+from areal_bus.model.modeling import param_shapes
+from areal_bus.weights.shm import ShmWeightReader, ShmWeightWriter
 
 HIDDEN, LAYERS = 896, 24
 QWEN2_05B = dict(model_type="qwen2", hidden_size=HIDDEN, intermediate_size=4864, num_attention_heads=14,

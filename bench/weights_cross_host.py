@@ -1,5 +1,5 @@
 """Weights to a host without shared memory with the trainer: time per version through the bus's chunked,
-checksummed, CURVE-encrypted transfer (areal_bus/weights_transfer.py, as nodes/weights.py sends it), with
+checksummed, CURVE-encrypted transfer (areal_bus/weights/transfer.py, as nodes/weights.py sends it), with
 a plain copy of the same bytes in the same run as the baseline, and the projection to 1.5B over 100 Gb/s.
 
 One round: the trainer's version is in shared memory (``ShmWeightWriter``); the sender cuts it into
@@ -29,11 +29,11 @@ import msgpack
 import torch
 import zmq
 
-from areal_bus.channels import open_socket
-from areal_bus.metrics import Metrics
-from areal_bus.security import bus_context, load_keys, make_keys
-from areal_bus.weights_shm import ShmWeightWriter
-from areal_bus.weights_transfer import ChunkAssembler, chunk_frames
+from areal_bus.wire.channels import open_socket
+from areal_bus.runtime.metrics import Metrics
+from areal_bus.wire.security import bus_context, load_keys, make_keys
+from areal_bus.weights.shm import ShmWeightWriter
+from areal_bus.weights.transfer import ChunkAssembler, chunk_frames
 
 PARAMS_1_5B = 1.54e9  # Qwen2-1.5B's parameters, sent in bf16 (the rollout dtype)
 LINK_BYTES_S = 100e9 / 8

@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 import torch  # noqa: E402
 
-from areal_bus import messages as m  # noqa: E402
-from areal_bus.modeling import param_shapes  # noqa: E402
-from areal_bus.weights_cuda import CudaWeightReader, CudaWeightWriter  # noqa: E402
+from areal_bus.wire import messages as m  # noqa: E402
+from areal_bus.model.modeling import param_shapes  # noqa: E402
+from areal_bus.weights.cuda import CudaWeightReader, CudaWeightWriter  # noqa: E402
 
 QWEN2_15B = dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)  # Qwen2-1.5B

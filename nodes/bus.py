@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import zmq
 
-from areal_bus import messages as m
-from areal_bus.channels import open_socket
-from areal_bus.codec import DecodeError, decode
+from areal_bus.wire import messages as m
+from areal_bus.wire.channels import open_socket
+from areal_bus.wire.codec import DecodeError, decode
 from areal_bus.constants import POLL_MS, PUB_HWM
-from areal_bus.node import NodeShell
+from areal_bus.runtime.node import NodeShell
 
 
 _SNAPSHOT_TYPES = {m.TOPIC_VERSION: m.VersionAnnounce, m.TOPIC_RUN: m.RunState}

@@ -6,9 +6,9 @@ tokens/s, queue depths, the trainer's busy fraction and staleness histogram, and
 dead; ``--json`` prints one JSON object per node per interval instead, for machines. It also hears
 the rollout workers' version acknowledgements, for their weight-swap times.
 
-With a Prometheus port (the probe node's ``nodes.probe.config``, areal_bus/node_configs.py:
+With a Prometheus port (the probe node's ``nodes.probe.config``, areal_bus/config/node_configs.py:
 ProbeConfig, on 127.0.0.1:9400 by default) it serves GET /metrics: the latest heartbeat of every node
-as Prometheus families (areal_bus/prometheus.py has the names), read at each scrape.
+as Prometheus families (areal_bus/runtime/prometheus.py has the names), read at each scrape.
 
 Run: areal-bus probe --topology topology/default.yaml [--json] [--interval 2] [--duration 30]
      (or as a node kind in a topology: nodes: {probe: {replicas: 1}}, which logs to probe.log and
@@ -27,11 +27,11 @@ from pathlib import Path
 import zmq
 from prometheus_client import CollectorRegistry, start_http_server
 
-from areal_bus import messages as m
-from areal_bus.metrics import Metrics, RateWindow
-from areal_bus.node import NodeShell
-from areal_bus.node_configs import ProbeConfig
-from areal_bus.prometheus import HeartbeatCollector, NodeSample
+from areal_bus.wire import messages as m
+from areal_bus.runtime.metrics import Metrics, RateWindow
+from areal_bus.runtime.node import NodeShell
+from areal_bus.config.node_configs import ProbeConfig
+from areal_bus.runtime.prometheus import HeartbeatCollector, NodeSample
 
 
 class ProbeView:

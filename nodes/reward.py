@@ -6,7 +6,7 @@ carry a reward (an agent that scored its own episode) pass through unchanged. Th
 forwarded until the trainer acknowledges it, and resends if the trainer restarts.
 
 Two more sources are set in the reward node's own config (``nodes.reward.config`` in the topology,
-schema ``RewardNodeConfig`` in areal_bus/node_configs.py, checked by ``areal-bus validate`` with the
+schema ``RewardNodeConfig`` in areal_bus/config/node_configs.py, checked by ``areal-bus validate`` with the
 router file it names), which, when it names a ``reward_source``, takes precedence over
 ``agent.reward_source``:
 
@@ -39,11 +39,11 @@ from pathlib import Path
 
 import zmq
 
-from areal_bus import messages as m
-from areal_bus.channels import Receiver, ReliableSender, open_socket
+from areal_bus.wire import messages as m
+from areal_bus.wire.channels import Receiver, ReliableSender, open_socket
 from areal_bus.constants import POLL_MS
-from areal_bus.node import NodeShell
-from areal_bus.node_configs import DEFAULT_RUBRIC
+from areal_bus.runtime.node import NodeShell
+from areal_bus.config.node_configs import DEFAULT_RUBRIC
 
 
 class Scorer:
@@ -160,7 +160,7 @@ def _episode_text(topo, base) -> EpisodeText:
 def make_scorer(topo, base=None, metrics=None, log=None) -> Scorer:
     """The scorer for ``nodes.reward.config.reward_source``, else ``agent.reward_source``. ``metrics``
     counts unparseable judge replies; ``log`` gets the router's per-request lines."""
-    cfg = topo.reward_config()  # validated with the topology (areal_bus/node_configs.py)
+    cfg = topo.reward_config()  # validated with the topology (areal_bus/config/node_configs.py)
     source = topo.reward_source()
     if source == "judge":
         from areal_bus.router import ModelRouter, load_router_config

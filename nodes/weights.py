@@ -10,10 +10,10 @@ version, and that is announced as newer. A restarted broadcaster announces nothi
 tells it the current version (the trainer resends it when it sees the restart). Simulated engines carry no
 weights (location "").
 
-Hosts without shared memory with the trainer (areal_bus/placement.py: a host that runs rollout but not
+Hosts without shared memory with the trainer (areal_bus/config/placement.py: a host that runs rollout but not
 the trainer's rank 0) each run a relay, ``weights-<i>`` (this module, replica i >= 1). The broadcaster
 (replica 0, on the trainer's host) sends every version to each relay over the bus's chunked,
-checksummed transfer (areal_bus/weights_transfer.py; CURVE between hosts, as every socket), and
+checksummed transfer (areal_bus/weights/transfer.py; CURVE between hosts, as every socket), and
 announces it only once every live relay holds it, so a far worker never hears of a version its host
 lacks. A relay writes what it receives into its host's shared memory (the far workers map it there,
 areal_bus/engines/rollout_factory.py), checks the sender's sha256 before committing, acks on the hub,
@@ -30,11 +30,11 @@ import time
 import msgpack
 import zmq
 
-from areal_bus import messages as m
-from areal_bus import placement
-from areal_bus.channels import Receiver, open_socket
+from areal_bus.wire import messages as m
+from areal_bus.config import placement
+from areal_bus.wire.channels import Receiver, open_socket
 from areal_bus.constants import HEARTBEAT_INTERVAL_S, POLL_MS
-from areal_bus.node import NodeShell
+from areal_bus.runtime.node import NodeShell
 from areal_bus.version import NONE, PolicyVersion
 
 RELAY_RESEND_S = 10.0
@@ -96,14 +96,14 @@ class RelayLink:
         self.sending: PolicyVersion | None = None
 
     def start(self, ann: m.VersionAnnounce, now: float) -> None:
-        from areal_bus.weights_transfer import chunk_frames
+        from areal_bus.weights.transfer import chunk_frames
 
         self.chunks = chunk_frames(ann.location, extra={"lineage": ann.lineage})
         self.pending, self.sent_at, self.sending = None, now, PolicyVersion.of(ann)
 
     def pump(self) -> bool:
         """Send what fits; True once the whole version is queued (or there is nothing to send)."""
-        from areal_bus.weights_shm import WeightShmError
+        from areal_bus.weights.shm import WeightShmError
 
         while self.chunks is not None:
             if self.pending is None:
@@ -203,8 +203,8 @@ def run_relay(topo, replica: int, base=None) -> int:
     """A far host's relay (see the module docstring): versions in over the network, into this host's
     shared memory, acked on the hub."""
     from areal_bus.engines.rollout_factory import relay_weight_set
-    from areal_bus.weights_shm import WeightShmError
-    from areal_bus.weights_transfer import ChunkAssembler
+    from areal_bus.weights.shm import WeightShmError
+    from areal_bus.weights.transfer import ChunkAssembler
 
     host = placement.relay_host(topo, replica)
     shell = NodeShell(topo, "weights", replica, base=base, own_policy=True,

@@ -36,8 +36,8 @@ import aiohttp  # noqa: E402
 import torch  # noqa: E402
 
 from areal_bus.engines.torch_engine import TorchRolloutEngine  # noqa: E402
-from areal_bus.modeling import load_pretrained  # noqa: E402
-from areal_bus.node_configs import GatewayConfig  # noqa: E402
+from areal_bus.model.modeling import load_pretrained  # noqa: E402
+from areal_bus.config.node_configs import GatewayConfig  # noqa: E402
 from areal_bus.tasks.runner import load_tokenizer  # noqa: E402
 from nodes.gateway.app import bound_port, make_app, start_server  # noqa: E402
 from nodes.gateway.backend import LocalEngineBackend  # noqa: E402

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areal_bus.codec import DecodeError, decode  # noqa: E402
+from areal_bus.wire.codec import DecodeError, decode  # noqa: E402
 from tests.fuzzing import Fuzzer, FuzzSystem, Mutator  # noqa: E402
 
 

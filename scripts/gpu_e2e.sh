@@ -10,6 +10,6 @@ OUT=${OUT:-gpu_logs}
 mkdir -p "$OUT" /tmp/site/bin
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-printf '#!/usr/bin/env python3\nimport sys\nfrom areal_bus.cli import main\nsys.exit(main())\n' > /tmp/site/bin/areal-bus
+printf '#!/usr/bin/env python3\nimport sys\nfrom areal_bus.launch.cli import main\nsys.exit(main())\n' > /tmp/site/bin/areal-bus
 chmod +x /tmp/site/bin/areal-bus
 timeout "${E2E_TIMEOUT:-560}" python3 bench/gpu_e2e.py --keep-logs "$OUT/e2e" "$@" 2>&1 | tee "$OUT/e2e.log"

@@ -45,7 +45,7 @@ if ! python3 -c "import zmq, pydantic, structlog, supervisor" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-printf '#!/usr/bin/env python3\nimport sys\nfrom areal_bus.cli import main\nsys.exit(main())\n' > /tmp/site/bin/areal-bus
+printf '#!/usr/bin/env python3\nimport sys\nfrom areal_bus.launch.cli import main\nsys.exit(main())\n' > /tmp/site/bin/areal-bus
 chmod +x /tmp/site/bin/areal-bus
 if [ "$ENGINE" = vllm ]; then
     export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ATTENTION_BACKEND=FLASH_ATTN  # as scripts/gpu_vllm.sh: no flashinfer there

@@ -33,7 +33,7 @@ if [ "$(sha256sum /tmp/smol.gguf | cut -c1-64)" != "$(cat "$PARTS/SHA")" ]; then
     echo "GGUF not whole yet (or a part is bad): carry the next part"; exit 0
 fi
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-printf '#!/usr/bin/env python3\nimport sys\nfrom areal_bus.cli import main\nsys.exit(main())\n' > /tmp/site/bin/areal-bus
+printf '#!/usr/bin/env python3\nimport sys\nfrom areal_bus.launch.cli import main\nsys.exit(main())\n' > /tmp/site/bin/areal-bus
 chmod +x /tmp/site/bin/areal-bus
 python3 -c "import pyarrow, datasets; print('pyarrow', pyarrow.__version__, 'datasets', datasets.__version__)" || exit 1
 [ -f /tmp/smollm2/config.json ] || areal-bus import-model /tmp/smol.gguf --out /tmp/smollm2 || exit 1

@@ -52,7 +52,7 @@ if [ ! -f "$stamp" ]; then
 fi
 export PYTHONPATH=$SITE:$PWD PATH=$SITE/bin:$PATH PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ATTENTION_BACKEND=FLASH_ATTN
-printf '#!/usr/bin/env python3\nimport sys\nfrom areal_bus.cli import main\nsys.exit(main())\n' > "$SITE/bin/areal-bus"
+printf '#!/usr/bin/env python3\nimport sys\nfrom areal_bus.launch.cli import main\nsys.exit(main())\n' > "$SITE/bin/areal-bus"
 chmod +x "$SITE/bin/areal-bus"
 [ $# -gt 0 ] || { python3 -c "import vllm; print('vllm', vllm.__version__, 'ready')"; exit $?; }
 "$@"

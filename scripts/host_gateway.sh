@@ -12,7 +12,7 @@ mkdir -p "$OUT" /tmp/site/bin
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl .whl/gw/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-printf '#!/usr/bin/env python3\nimport sys\nfrom areal_bus.cli import main\nsys.exit(main())\n' > /tmp/site/bin/areal-bus
+printf '#!/usr/bin/env python3\nimport sys\nfrom areal_bus.launch.cli import main\nsys.exit(main())\n' > /tmp/site/bin/areal-bus
 chmod +x /tmp/site/bin/areal-bus
 { nproc; lscpu | grep -E "Model name|^CPU\(s\)"; python3 --version; } 2>&1 | tee "$OUT/host.txt"
 timeout "${GW_TIMEOUT:-500}" python3 bench/gateway.py "$@" 2>&1 | tee "$OUT/gateway.log"

@@ -8,7 +8,7 @@ CPU cores (the recipe and its stats end up in <out>/recipe.json).
 
 import argparse
 
-from areal_bus.warmstart import Recipe, warmstart
+from areal_bus.launch.warmstart import Recipe, warmstart
 
 
 def main() -> None:

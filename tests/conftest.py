@@ -16,7 +16,7 @@ import pytest
 import zmq
 from hypothesis import settings
 
-from areal_bus import messages as m
+from areal_bus.wire import messages as m
 
 # Two shared cores: a slow example is load on the machine, not a bug in the code.
 settings.register_profile("areal_bus", deadline=None)
@@ -121,7 +121,7 @@ def one_torch_thread():
 @pytest.fixture
 def model_dir(tmp_path):
     """A tiny random Qwen2 checkpoint in Hugging Face format."""
-    from areal_bus.modeling import TINY_QWEN2, make_random_model, save_pretrained
+    from areal_bus.model.modeling import TINY_QWEN2, make_random_model, save_pretrained
 
     path = tmp_path / "model"
     save_pretrained(make_random_model(TINY_QWEN2, seed=0, std=0.2), path)
@@ -154,7 +154,7 @@ def smollm2_dir():
     Concurrent test processes wait on the cache's lock instead of converting twice."""
     import os
 
-    from areal_bus.import_model import ImportModelError, cached_import
+    from areal_bus.launch.import_model import ImportModelError, cached_import
 
     root = os.environ.get("AREAL_BUS_MODEL_CACHE") or Path(__file__).resolve().parents[1] / ".cache" / "models"
     try:

@@ -24,7 +24,7 @@ TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
 @dataclass(frozen=True)
 class Family:
     template: str  # file in tests/chat_templates
-    arch: str  # which of areal_bus.modeling's tiny configs: qwen2, qwen3, llama3.1 (Llama 3.1's RoPE), mistral
+    arch: str  # which of areal_bus.model.modeling's tiny configs: qwen2, qwen3, llama3.1 (Llama 3.1's RoPE), mistral
     special: tuple[str, ...]  # special tokens (skipped when decoding), eos among them
     added: tuple[str, ...]  # added tokens that are not special (decoded as text)
     eos: str
@@ -80,7 +80,7 @@ def family_tokenizer(name: str):
 
 def family_model(name: str, tok, seed: int = 0):
     """A random model of the family's architecture over ``tok``'s vocabulary (eos: the tokenizer's)."""
-    from areal_bus.modeling import TINY_LLAMA31, TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3, make_random_model
+    from areal_bus.model.modeling import TINY_LLAMA31, TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3, make_random_model
 
     arch = {"qwen2": TINY_QWEN2, "qwen3": TINY_QWEN3, "llama3.1": TINY_LLAMA31, "mistral": TINY_MISTRAL}
     base = arch[FAMILIES[name].arch]

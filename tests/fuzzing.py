@@ -30,8 +30,8 @@ import numpy as np
 import yaml
 import zmq
 
-from areal_bus import messages as m
-from areal_bus.codec import DTYPES, DecodeError, Encoder, decode
+from areal_bus.wire import messages as m
+from areal_bus.wire.codec import DTYPES, DecodeError, Encoder, decode
 from areal_bus.constants import MAX_FRAMES, MAX_HEADER_BYTES, WIRE_VERSION
 
 REPO = Path(__file__).resolve().parents[1]
@@ -378,7 +378,7 @@ class FuzzSystem:
     latest heartbeat, trusted only if it carries the pid of a process we started."""
 
     def __init__(self, **overrides):
-        from areal_bus.topology import load_topology
+        from areal_bus.config.topology import load_topology
 
         self.dir = Path(tempfile.mkdtemp(prefix="abfz-", dir="/tmp"))
         self.topo_path = self.dir / "topology.yaml"

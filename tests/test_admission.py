@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_bus import messages as m
+from areal_bus.wire import messages as m
 from areal_bus.admission import Admission, Sources, capacity, group_stall, is_over_stale, staleness_of
 from areal_bus.constants import SOURCE_GONE_S
 from areal_bus.version import PolicyVersion
@@ -137,7 +137,7 @@ def test_a_busy_source_is_not_starved_by_an_idle_co_source():
 
 
 def _state(version, consumed, sources, incarnation="t1", lineage=""):
-    from areal_bus.messages import RunState
+    from areal_bus.wire.messages import RunState
 
     return RunState(version=version, max_steps=100, finished=False, consumed=consumed, incarnation=incarnation,
                     sources=sources, lineage=lineage)
@@ -239,8 +239,8 @@ def test_a_run_never_stalls_however_many_run_states_the_hub_loses(seed, loss):
 def test_an_episode_a_worker_refused_frees_its_slot_and_the_trainers_stale_totals_still_count():
     import numpy as np
 
-    from areal_bus import messages as m
-    from areal_bus.topology import Topology
+    from areal_bus.wire import messages as m
+    from areal_bus.config.topology import Topology
     from nodes.agent import EpisodeSource
 
     src = EpisodeSource(Topology(), replica=0, replicas=1)
@@ -300,7 +300,7 @@ def test_an_episode_is_never_admitted_for_an_update_past_the_staleness_bound(sta
 
 
 def _ready_state(version, consumed, ready, sources=None):
-    from areal_bus.messages import RunState
+    from areal_bus.wire.messages import RunState
 
     return RunState(version=version, max_steps=100, finished=False, consumed=consumed, incarnation="t1",
                     sources=sources or {}, ready=ready)
@@ -357,7 +357,7 @@ def test_the_lead_is_what_admission_and_tickets_use_and_the_bound_alone_without_
 
 def test_an_agents_admission_follows_the_trainers_ready_count_with_lead_adaptive():
     """The wiring: topology staleness.lead -> the agent's admission, RunState.ready -> its lead."""
-    from areal_bus.topology import parse_topology
+    from areal_bus.config.topology import parse_topology
     from nodes.agent import EpisodeSource
 
     topo = parse_topology({"async": {"enabled": True}, "global_batch_size": 64, "trigger_batch_size": 32,
@@ -373,7 +373,7 @@ def test_an_agents_admission_follows_the_trainers_ready_count_with_lead_adaptive
 def _done(req, n_out: int = 3, error: str = ""):
     import numpy as np
 
-    from areal_bus import messages as m
+    from areal_bus.wire import messages as m
 
     ids = np.arange(1, n_out + 1, dtype=np.int32) if not error else np.zeros(0, np.int32)
     return m.Completion(request_id=req.request_id, episode_id=req.episode_id, ticket=req.ticket, worker="rollout-0",
@@ -387,7 +387,7 @@ def test_in_order_hands_on_whole_groups_in_admission_order_whatever_order_they_f
     one of whose members a worker refused goes one member short; a group held GROUP_WAIT_S behind an
     unfinished one goes anyway. Without in_order each episode goes the moment it ends."""
     from areal_bus.constants import GROUP_WAIT_S
-    from areal_bus.topology import parse_topology
+    from areal_bus.config.topology import parse_topology
     from nodes.agent import EpisodeSource
 
     spec = {"async": {"enabled": True}, "global_batch_size": 8, "trigger_batch_size": 4, "staleness_threshold": 1,
@@ -480,7 +480,7 @@ def _beat(node_id: str) -> m.Heartbeat:
 
 
 def test_sources_scaled_while_running_share_the_batch_anew_and_a_dead_one_keeps_its_share_for_a_while():
-    from areal_bus.topology import parse_topology
+    from areal_bus.config.topology import parse_topology
 
     topo = parse_topology({"global_batch_size": 32, "trigger_batch_size": 16, "nodes": {"agent": {"replicas": 2}}})
     views = {name: (Sources(topo, name), Admission.of(topo, name)) for name in ("agent-0", "agent-1")}

@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from areal_bus.topology import parse_topology  # noqa: E402
+from areal_bus.config.topology import parse_topology  # noqa: E402
 from bench.async_vs_sync import POLICIES, topology  # noqa: E402
 
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import zmq
 
-from areal_bus.codec import Encoder, decode
+from areal_bus.wire.codec import Encoder, decode
 from areal_bus.engines.sim import SimRolloutEngine
-from areal_bus.metrics import Metrics
-from areal_bus.topology import LengthDistribution, RolloutEngineConfig
+from areal_bus.runtime.metrics import Metrics
+from areal_bus.config.topology import LengthDistribution, RolloutEngineConfig
 from nodes.gateway.backend import SamplingParams
 from nodes.gateway.bus_backend import BusBackend, NoWorker
 

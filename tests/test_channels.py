@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import zmq
 
-from areal_bus.channels import ReliableSender, Receiver, open_socket
-from areal_bus.codec import Encoder, decode
+from areal_bus.wire.channels import ReliableSender, Receiver, open_socket
+from areal_bus.wire.codec import Encoder, decode
 from areal_bus.constants import MAX_FRAME_BYTES
-from areal_bus.metrics import Metrics
-from areal_bus.weights_transfer import DEFAULT_CHUNK_BYTES
+from areal_bus.runtime.metrics import Metrics
+from areal_bus.weights.transfer import DEFAULT_CHUNK_BYTES
 
 pytestmark = pytest.mark.timeout(20)
 

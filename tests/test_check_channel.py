@@ -22,7 +22,7 @@ import pytest
 
 from areal_bus.gateway_client import GatewayError, check_gateway, describe_http_error
 from areal_bus.router import load_router_config
-from areal_bus.topology import load_topology
+from areal_bus.config.topology import load_topology
 from nodes.gateway.standalone import Child
 from tests.test_router import KEY, KEY_ENV, StandIn, closed_port, router_yaml
 

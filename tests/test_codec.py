@@ -15,9 +15,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from areal_bus import messages as m
-from areal_bus.channels import open_socket
-from areal_bus.codec import DTYPES, DecodeError, Encoder, decode
+from areal_bus.wire import messages as m
+from areal_bus.wire.channels import open_socket
+from areal_bus.wire.codec import DTYPES, DecodeError, Encoder, decode
 from areal_bus.constants import MAX_FRAMES, MAX_HEADER_BYTES, WIRE_VERSION
 
 ARRAY_FIELDS = m.Trajectory.ARRAYS

@@ -11,7 +11,7 @@ import pytest
 
 CHILD = """
 import gc, zmq
-from areal_bus.security import BusContext
+from areal_bus.wire.security import BusContext
 ctx = BusContext()
 s = ctx.socket(zmq.PUSH)          # not through channels.open_socket: no linger of its own
 s.connect("tcp://127.0.0.1:9")    # nobody there: the message stays queued
@@ -35,7 +35,7 @@ def test_a_dropped_context_with_a_queued_message_is_collected(close):
 
 CYCLE = """
 import gc, zmq
-from areal_bus.security import BusContext
+from areal_bus.wire.security import BusContext
 
 class Node:  # holds its context and socket, and itself: garbage only the cycle collector frees
     def __init__(self):

@@ -13,8 +13,8 @@ import subprocess
 
 import pytest
 
-from areal_bus import messages as m
-from areal_bus.ledger import audit
+from areal_bus.wire import messages as m
+from areal_bus.runtime.ledger import audit
 from nodes.weights import VersionBook
 from tests.test_system import System, wait_until
 
@@ -97,7 +97,7 @@ def test_a_restarted_trainers_lineage_is_announced_though_its_version_is_lower()
 
 
 def test_only_the_supervisord_that_started_a_run_recovers_it(tmp_path, make_traj):
-    from areal_bus.spool import Spool
+    from areal_bus.runtime.spool import Spool
     from nodes.trainer.recovery import plan_start, write_run_state
 
     ckpt = tmp_path / "checkpoints"

@@ -12,7 +12,7 @@ import torch
 
 from areal_bus.engines.cuda_decode import ATTENTION, buckets, decode_choices
 from areal_bus.engines.torch_engine import TorchRolloutEngine
-from areal_bus.modeling import (TINY_LLAMA, TINY_LLAMA31, TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3, make_random_model,
+from areal_bus.model.modeling import (TINY_LLAMA, TINY_LLAMA31, TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3, make_random_model,
                                 save_pretrained)
 from tests.test_torch_engine import PROMPTS, _full_logprobs, _model, _naive_greedy, _req, _run
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
@@ -116,7 +116,7 @@ def test_fused_decode_step_gives_the_unfused_steps_tokens_and_logprobs(cfg):
 def test_fused_decode_refuses_a_model_whose_norms_it_does_not_compute():
     model = _model()
     model.model.norm = torch.nn.LayerNorm(model.cfg.hidden_size)
-    with pytest.raises(ValueError, match="decode fusion computes areal_bus.modeling.RMSNorm"):
+    with pytest.raises(ValueError, match="decode fusion computes areal_bus.model.modeling.RMSNorm"):
         _engine(model, fuse_decode=True)
 
 

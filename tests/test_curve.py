@@ -21,13 +21,13 @@ import pytest
 import yaml
 import zmq
 
-from areal_bus import messages as m
-from areal_bus.channels import open_socket
-from areal_bus.cli import main as cli_main
-from areal_bus.codec import Encoder, decode, pack_topic
-from areal_bus.metrics import Metrics
-from areal_bus.security import CurveKeyError, bus_context, load_keys, make_keys, secure
-from areal_bus.topology import TopologyError, load_topology, parse_topology
+from areal_bus.wire import messages as m
+from areal_bus.wire.channels import open_socket
+from areal_bus.launch.cli import main as cli_main
+from areal_bus.wire.codec import Encoder, decode, pack_topic
+from areal_bus.runtime.metrics import Metrics
+from areal_bus.wire.security import CurveKeyError, bus_context, load_keys, make_keys, secure
+from areal_bus.config.topology import TopologyError, load_topology, parse_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -260,7 +260,7 @@ def _write_topology(work: Path, endpoints: dict) -> Path:
 def test_node_whose_key_file_is_missing_exits_with_one_line_naming_it(key_dir):
     path = _write_topology(key_dir, {"transport": "tcp", "base_port": free_base_port(),
                                      "curve": {"key": str(key_dir / "absent.key_secret")}})
-    res = subprocess.run([sys.executable, "-m", "areal_bus.cli", "node", "bus", "--topology", str(path)],
+    res = subprocess.run([sys.executable, "-m", "areal_bus.launch.cli", "node", "bus", "--topology", str(path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1].startswith(f"areal-bus: {key_dir / 'absent.key_secret'}: no such key")
@@ -273,7 +273,7 @@ def test_bus_node_over_curve_serves_the_cluster_and_counts_strangers(key_dir, ke
                                      "curve": {"key": str(key_dir / "keys" / "cluster.key_secret")}})
     topo = load_topology(path)
     with open(key_dir / "bus.out", "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "areal_bus.cli", "node", "bus", "--topology", str(path)],
+        proc = subprocess.Popen([sys.executable, "-m", "areal_bus.launch.cli", "node", "bus", "--topology", str(path)],
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     ctx = bus_context(keys, Metrics(), log)
     try:

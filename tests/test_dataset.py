@@ -9,7 +9,7 @@ import pytest
 
 from areal_bus.tasks.dataset import DatasetError, DatasetSplits, template_fields
 from areal_bus.tasks.driver import EVAL_SEED_BASE
-from areal_bus.topology import DatasetConfig, TopologyError, parse_topology
+from areal_bus.config.topology import DatasetConfig, TopologyError, parse_topology
 
 
 def _jsonl(path, n, start=0):

@@ -12,7 +12,7 @@ import torch
 
 from areal_bus.engines import torch_parallel
 from areal_bus.engines.torch_train import TorchTrainEngine
-from areal_bus.topology import dump_resolved
+from areal_bus.config.topology import dump_resolved
 from tests.test_torch_train import _episodes, _topo
 
 

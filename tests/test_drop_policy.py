@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from areal_bus import messages as m
-from areal_bus.topology import TopologyError, parse_topology
+from areal_bus.wire import messages as m
+from areal_bus.config.topology import TopologyError, parse_topology
 from nodes.trainer.core import TrainerCore
 from nodes.trainer.recovery import Start
 

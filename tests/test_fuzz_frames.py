@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from areal_bus import messages as m
-from areal_bus.codec import DecodeError, Encoder, decode
+from areal_bus.wire import messages as m
+from areal_bus.wire.codec import DecodeError, Encoder, decode
 from areal_bus.constants import MAX_FRAMES, MAX_HEADER_BYTES, WIRE_VERSION
 from tests.fuzzing import HUGE_DECLARED, Fuzzer, FuzzSystem, Mutator, as_bytes, sample
 

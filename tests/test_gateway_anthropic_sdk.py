@@ -284,7 +284,7 @@ class EchoBackend:
     async def generate(self, session_id, prompt_ids, params):
         import numpy as np
 
-        from areal_bus.messages import Completion
+        from areal_bus.wire.messages import Completion
 
         prompt = self.tok.decode([int(t) for t in prompt_ids])
         last = prompt.rsplit("<|im_start|>user\n", 1)[-1].split("<|im_end|>")[0]

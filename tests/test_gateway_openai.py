@@ -18,8 +18,8 @@ import openai
 import pytest
 import torch
 
-from areal_bus.messages import Completion
-from areal_bus.node_configs import GatewayConfig
+from areal_bus.wire.messages import Completion
+from areal_bus.config.node_configs import GatewayConfig
 from nodes.gateway.app import GATEWAY, bound_port, make_app, start_server
 from nodes.gateway.backend import LocalEngineBackend
 from nodes.gateway.chat import ChatRenderer, parse_tool_calls
@@ -46,7 +46,7 @@ def tokenizer():
 
 @functools.cache
 def policy():
-    from areal_bus.modeling import load_pretrained
+    from areal_bus.model.modeling import load_pretrained
 
     return load_pretrained(MODEL_DIR, torch.device("cpu"), torch.float32)
 

@@ -28,8 +28,8 @@ import pytest
 import yaml
 import zmq
 
-from areal_bus import messages as m
-from areal_bus.codec import DecodeError, decode
+from areal_bus.wire import messages as m
+from areal_bus.wire.codec import DecodeError, decode
 
 REPO = Path(__file__).resolve().parent.parent
 ADMIN = "restart-test-admin-token"
@@ -37,7 +37,7 @@ ADMIN = "restart-test-admin-token"
 WAITING = """
 import sys, time
 from pathlib import Path
-from areal_bus import cli
+from areal_bus.launch import cli
 import nodes.rollout.node  # the slow imports happen now, before the old worker is killed
 flag = Path(sys.argv[1])
 Path(sys.argv[1] + ".ready").touch()
@@ -108,13 +108,13 @@ class _Run:
         return proc
 
     def node(self, kind: str) -> subprocess.Popen:
-        return self.spawn(kind, [sys.executable, "-m", "areal_bus.cli", "node", kind, "--topology", str(self.topo),
+        return self.spawn(kind, [sys.executable, "-m", "areal_bus.launch.cli", "node", kind, "--topology", str(self.topo),
                                  "--replica", "0"])
 
     def start(self) -> None:
         for kind in ("bus", "gateway", "rollout"):
             self.node(kind)
-        from areal_bus.topology import load_topology
+        from areal_bus.config.topology import load_topology
 
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, m.TOPIC_HEARTBEAT)

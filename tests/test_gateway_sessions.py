@@ -15,7 +15,7 @@ import numpy as np
 import openai
 import pytest
 
-from areal_bus.messages import Completion
+from areal_bus.wire.messages import Completion
 from nodes.gateway.sessions import Choice, SessionLimitError, SessionStore
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 from tests.test_gateway_openai import (ADMIN, GAME, POLICY, ScriptedBackend,  # noqa: F401
@@ -351,9 +351,9 @@ def test_the_gateway_admits_sessions_for_updates_at_most_staleness_ahead_of_the_
     from pathlib import Path
 
     from areal_bus.admission import Admission
-    from areal_bus.messages import RunState
-    from areal_bus.metrics import Metrics
-    from areal_bus.topology import load_topology
+    from areal_bus.wire.messages import RunState
+    from areal_bus.runtime.metrics import Metrics
+    from areal_bus.config.topology import load_topology
     from nodes.gateway.node import admit_session
 
     topo = load_topology(Path(__file__).resolve().parents[1] / "topology" / "default.yaml")

@@ -24,10 +24,10 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_bus.codec import Encoder, decode
+from areal_bus.wire.codec import Encoder, decode
 from areal_bus.engines.torch_engine import TorchRolloutEngine
-from areal_bus.messages import Completion, PartialCompletion
-from areal_bus.metrics import Metrics
+from areal_bus.wire.messages import Completion, PartialCompletion
+from areal_bus.runtime.metrics import Metrics
 from nodes.gateway.backend import LocalEngineBackend, SamplingParams
 from nodes.gateway.bus_backend import BusBackend, StreamBroken
 from nodes.gateway.chat import ChatRenderer, parse_tool_calls
@@ -299,7 +299,7 @@ def rollout_node():
     """Real bus, weights and rollout node processes (bench/gateway.py's system, gateway node left out):
     (topology, system). Each test binds the gateway's side of gwork itself (a BusBackend)."""
     from bench.gateway import System, topology
-    from areal_bus.topology import parse_topology
+    from areal_bus.config.topology import parse_topology
 
     work = Path(tempfile.mkdtemp(prefix="ab-st-", dir="/tmp"))
     token = secrets.token_urlsafe(16)

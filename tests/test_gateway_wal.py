@@ -22,8 +22,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from areal_bus import messages as m
-from areal_bus.ledger import read
+from areal_bus.wire import messages as m
+from areal_bus.runtime.ledger import read
 from nodes.gateway.sessions import Choice, SessionStore
 from nodes.gateway.standalone import Child
 from nodes.gateway.wal import GatewayWAL, wal_path

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from areal_bus import messages as m
-from areal_bus.channels import open_socket
-from areal_bus.codec import Encoder, decode, pack_topic
-from areal_bus.topology import load_topology
+from areal_bus.wire import messages as m
+from areal_bus.wire.channels import open_socket
+from areal_bus.wire.codec import Encoder, decode, pack_topic
+from areal_bus.config.topology import load_topology
 from nodes.bus import SnapshotCache
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +31,7 @@ def bus():
     path = work / "topology.yaml"
     path.write_text(f"endpoints: {{transport: ipc, ipc_dir: {work / 'ipc'}}}\nlogging: {{log_dir: {work / 'logs'}}}\n")
     with open(work / "stdout.txt", "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "areal_bus.cli", "node", "bus", "--topology", str(path)],
+        proc = subprocess.Popen([sys.executable, "-m", "areal_bus.launch.cli", "node", "bus", "--topology", str(path)],
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
         yield load_topology(path)

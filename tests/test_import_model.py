@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from areal_bus.cli import main
-from areal_bus.import_model import MARKER, PACKAGED, cached_import, source_path
+from areal_bus.launch.cli import main
+from areal_bus.launch.import_model import MARKER, PACKAGED, cached_import, source_path
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
 VOCAB = 1024  # SmolLM2's specials, its 256 byte symbols and the first merges
@@ -225,7 +225,7 @@ def test_eos_becomes_the_chat_templates_turn_end_whatever_transformers_named_it(
 
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from areal_bus.import_model import align_eos, turn_end_token
+    from areal_bus.launch.import_model import align_eos, turn_end_token
     from areal_bus.tasks.driver import render_env_turn
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)

@@ -110,7 +110,7 @@ import nodes.weights
 from nodes.gateway import bus_backend
 from ..probe import view
 from . import core            # its own package: allowed
-import areal_bus.codec        # the library: allowed
+import areal_bus.wire.codec        # the library: allowed
 
 def later():
     import nodes.reward
@@ -123,8 +123,8 @@ def later():
     assert all(v.startswith("nodes.agent.node imports ") for v in found)
     assert violations_in("from nodes.gateway.backend import SamplingParams\nfrom .sessions import x\n",
                          "nodes.gateway.app") == []
-    assert violations_in("def main():\n    from nodes import probe\n", "areal_bus.cli") == [
-        "areal_bus.cli imports nodes.probe (line 2)"]
+    assert violations_in("def main():\n    from nodes import probe\n", "areal_bus.launch.cli") == [
+        "areal_bus.launch.cli imports nodes.probe (line 2)"]
 
 
 def test_a_violation_planted_in_a_copy_of_the_tree_fails_naming_both_modules(tmp_path):
@@ -157,7 +157,7 @@ def pieces_table(readme: str) -> list[tuple[str, str]]:
 
 def unnamed_modules(root: Path, readme: str) -> list[str]:
     """Module files the table does not name. A module is named by its path in a row's first cell
-    (``areal_bus/codec.py``), or, in the row of its folder (``nodes/gateway/``), by its name in
+    (``areal_bus/wire/codec.py``), or, in the row of its folder (``nodes/gateway/``), by its name in
     backticks in the second (``app``); a package's ``__init__.py`` by its folder's row."""
     named_paths, folder_rows = set(), {}
     for where, what in pieces_table(readme):
@@ -187,9 +187,9 @@ def test_the_readme_pieces_table_names_every_module():
 def test_a_module_missing_from_the_pieces_table_is_found(tmp_path):
     (tmp_path / "areal_bus" / "engines").mkdir(parents=True)
     (tmp_path / "nodes").mkdir()
-    for rel in ("areal_bus/__init__.py", "areal_bus/codec.py", "areal_bus/engines/__init__.py",
+    for rel in ("areal_bus/__init__.py", "areal_bus/wire/codec.py", "areal_bus/engines/__init__.py",
                 "areal_bus/engines/sim.py", "areal_bus/engines/base.py", "nodes/bus.py"):
         (tmp_path / rel).write_text("")
-    readme = ("## The pieces\n\n| where | what |\n| --- | --- |\n| `areal_bus/codec.py` | the codec |\n"
+    readme = ("## The pieces\n\n| where | what |\n| --- | --- |\n| `areal_bus/wire/codec.py` | the codec |\n"
               "| `areal_bus/engines/` | `sim` simulated engines |\n\n## Next\n| `nodes/bus.py` | not this table |\n")
     assert unnamed_modules(tmp_path, readme) == ["areal_bus/__init__.py", "areal_bus/engines/base.py", "nodes/bus.py"]

@@ -19,10 +19,10 @@ import pytest
 import yaml
 import zmq
 
-from areal_bus.channels import open_socket
-from areal_bus.node import NodeShell
-from areal_bus.security import IpcDirError
-from areal_bus.topology import parse_topology
+from areal_bus.wire.channels import open_socket
+from areal_bus.runtime.node import NodeShell
+from areal_bus.wire.security import IpcDirError
+from areal_bus.config.topology import parse_topology
 
 NOBODY = 65534
 
@@ -101,7 +101,7 @@ def test_a_node_refuses_to_start_in_a_world_writable_folder(work):
     path = work / "topology.yaml"
     path.write_text(yaml.safe_dump({"logging": {"log_dir": "logs"},
                                     "endpoints": {"transport": "ipc", "ipc_dir": str(work / "ipc")}}))
-    res = subprocess.run([sys.executable, "-m", "areal_bus.cli", "node", "bus", "--topology", str(path)],
+    res = subprocess.run([sys.executable, "-m", "areal_bus.launch.cli", "node", "bus", "--topology", str(path)],
                          cwd=work, capture_output=True, text=True, timeout=50)
     assert res.returncode != 0 and f"ipc folder {work / 'ipc'} has mode 0777" in res.stderr
     assert not list((work / "ipc").iterdir())

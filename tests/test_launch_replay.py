@@ -1,4 +1,4 @@
-"""areal_bus.launch_replay: a kernel library's call run whole once per key, then replayed.
+"""areal_bus.train.launch_replay: a kernel library's call run whole once per key, then replayed.
 
 The library here is a small one of the same shape as flash-attn-4's entry points (host-side selection on
 every call, allocations, a zero-filled accumulator, a scratch used through a view, kernels from per-function
@@ -16,7 +16,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from areal_bus.launch_replay import LaunchReplay, compile_cache_owners
+from areal_bus.train.launch_replay import LaunchReplay, compile_cache_owners
 
 
 class Aux(NamedTuple):

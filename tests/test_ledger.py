@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import structlog
 
-from areal_bus import logs
-from areal_bus.ledger import Ledger, LedgerWriteError, audit, ledger_path, read
+from areal_bus.runtime import logs
+from areal_bus.runtime.ledger import Ledger, LedgerWriteError, audit, ledger_path, read
 
 TINY_FS = "size=64k"
 WHOLE_LINE = re.compile(r"^\[train\] .*ts=\d\d:\d\d:\d\d\.\d{3}$")

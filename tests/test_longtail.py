@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import yaml
 
-from areal_bus import messages as m
+from areal_bus.wire import messages as m
 from areal_bus.tasks.plugins import check_agent, make_driver
 from areal_bus.tasks.runner import load_tokenizer, verify
-from areal_bus.topology import parse_topology
+from areal_bus.config.topology import parse_topology
 from nodes.agent.core import EpisodeSource
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -183,7 +183,7 @@ def test_the_vllm_engine_is_asked_for_the_same_thing():
 
 
 def test_ignore_eos_crosses_the_wire():
-    from areal_bus.codec import Encoder, decode
+    from areal_bus.wire.codec import Encoder, decode
 
     req = m.GenerateRequest(request_id="r", episode_id="e", ticket=3, min_version=0, max_tokens=9,
                             temperature=1.0, prompt_ids=np.arange(1, 5, dtype=np.int32), ignore_eos=True)

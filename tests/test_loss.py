@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from areal_bus.loss import decoupled_ppo_loss, grpo_advantages, kl_penalty, masked_mean  # noqa: E402
+from areal_bus.train.loss import decoupled_ppo_loss, grpo_advantages, kl_penalty, masked_mean  # noqa: E402
 
 
 def f64(x):
@@ -254,7 +254,7 @@ def test_tensor_stats_are_the_same_numbers_left_on_the_device():
 
 
 def test_loglinear_proximal_interpolates_by_staleness():
-    from areal_bus.loss import loglinear_proximal
+    from areal_bus.train.loss import loglinear_proximal
 
     behav = torch.tensor([-2.0, -2.0, -2.0, -2.0])
     logp = torch.tensor([-1.0, -1.0, -1.0, -1.0], requires_grad=True)

@@ -4,7 +4,7 @@ checkpoints, RoPE scaling included."""
 import pytest
 import torch
 
-from areal_bus.modeling import (TINY_LLAMA, TINY_LLAMA31, TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3, KVCache, ModelConfig,
+from areal_bus.model.modeling import (TINY_LLAMA, TINY_LLAMA31, TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3, KVCache, ModelConfig,
                                 load_pretrained, make_random_model, save_pretrained, token_logprobs)
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
@@ -150,7 +150,7 @@ def test_cached_chunked_forward_matches_full_forward():
 
 
 def test_param_shapes_are_the_models_own_parameters_without_building_it():
-    from areal_bus.modeling import param_shapes
+    from areal_bus.model.modeling import param_shapes
 
     model = make_random_model(TINY_QWEN2)
     assert param_shapes(TINY_QWEN2) == [(n, tuple(p.shape)) for n, p in model.named_parameters()]

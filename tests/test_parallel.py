@@ -15,8 +15,8 @@ import torch
 
 from areal_bus.engines import torch_parallel
 from areal_bus.engines.torch_train import TorchTrainEngine
-from areal_bus.modeling import load_pretrained
-from areal_bus.topology import TopologyError, dump_resolved, parse_topology
+from areal_bus.model.modeling import load_pretrained
+from areal_bus.config.topology import TopologyError, dump_resolved, parse_topology
 from tests.test_torch_train import _episodes, _topo
 
 # A clip low enough to act on these gradients (asserted below), so the sharded norm is tested too.

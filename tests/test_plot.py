@@ -1,4 +1,4 @@
-"""``areal-bus plot`` (areal_bus/plot.py): curves from train_steps.jsonl, one run at a time.
+"""``areal-bus plot`` (areal_bus/launch/plot.py): curves from train_steps.jsonl, one run at a time.
 
 Run: .venv/bin/pytest tests/test_plot.py
 """
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from areal_bus.cli import main
-from areal_bus.plot import load_steps, plot
+from areal_bus.launch.cli import main
+from areal_bus.launch.plot import load_steps, plot
 
 
 def _write(log_dir, records) -> None:

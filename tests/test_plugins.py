@@ -64,8 +64,8 @@ def validate(folder: Path, topo: dict | None = None) -> subprocess.CompletedProc
 
 
 def load(folder: Path):
-    from areal_bus.topology import load_topology
-    from areal_bus.topology_files import check_files
+    from areal_bus.config.topology import load_topology
+    from areal_bus.config.files import check_files
 
     topo = load_topology(folder / "topology.yaml")
     check_files(topo, folder)
@@ -191,7 +191,7 @@ not_callable = 3
     ("reward_source", "bad_plugins:NoReset", "agent.reward_source: .* not a function"),
 ])
 def test_a_bad_plugin_is_one_validation_error_naming_its_field(user_folder, field, value, message):
-    from areal_bus.topology import TopologyError
+    from areal_bus.config.topology import TopologyError
 
     (user_folder / "bad_plugins.py").write_text(BAD)
     topo = yaml.safe_load((user_folder / "topology.yaml").read_text())
@@ -213,7 +213,7 @@ def test_the_cli_prints_a_bad_plugin_as_one_line_without_a_traceback(user_folder
 @pytest.mark.parametrize("field, value", [("framework", "my_task.Echo"), ("framework", "chess"),
                                           ("reward_source", "my reward:score"), ("reward_source", "judge")])
 def test_a_malformed_plugin_path_is_refused_by_the_schema(field, value):
-    from areal_bus.topology import TopologyError, parse_topology
+    from areal_bus.config.topology import TopologyError, parse_topology
 
     with pytest.raises(TopologyError, match=f"agent.{field}"):
         parse_topology({"agent": {field: value}})

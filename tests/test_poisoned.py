@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import zmq
 
-from areal_bus import messages as m
-from areal_bus.codec import Encoder
-from areal_bus.spool import Spool
+from areal_bus.wire import messages as m
+from areal_bus.wire.codec import Encoder
+from areal_bus.runtime.spool import Spool
 from areal_bus.trajectory_check import check_trajectory, model_vocab_size, reason_code
 from nodes.trainer.recovery import Start
 from tests.test_trainer_core import _acks, _core, _states
@@ -148,9 +148,9 @@ def test_no_token_may_claim_a_version_the_run_has_not_made_and_a_crash_does_not_
 # -- rollout workers outlive the trainer's weights --------------------------------------------------
 def test_a_rollout_worker_whose_announced_weights_are_gone_keeps_serving_and_takes_the_next(tmp_path):
     from areal_bus.engines.rollout_factory import make_engine
-    from areal_bus.modeling import load_pretrained
-    from areal_bus.topology import load_topology
-    from areal_bus.weights_shm import ShmWeightWriter
+    from areal_bus.model.modeling import load_pretrained
+    from areal_bus.config.topology import load_topology
+    from areal_bus.weights.shm import ShmWeightWriter
     from nodes.rollout.core import RolloutCore, StepLog
     from tests.torch_threads import one_torch_thread
 
@@ -191,7 +191,7 @@ TORCH_RUN = {
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_poisoned_trajectories_injected_into_a_torch_run_are_rejected_and_the_run_finishes():
-    from areal_bus.ledger import audit, read
+    from areal_bus.runtime.ledger import audit, read
     from tests.test_system import System, wait_until
 
     system = System(TORCH_RUN)

@@ -3,9 +3,9 @@ start when a node restarts, the trainer's busy fraction and staleness histogram,
 
 from __future__ import annotations
 
-from areal_bus import messages as m
-from areal_bus.codec import Encoder, decode
-from areal_bus.metrics import Metrics
+from areal_bus.wire import messages as m
+from areal_bus.wire.codec import Encoder, decode
+from areal_bus.runtime.metrics import Metrics
 from nodes.probe import ProbeView, format_table
 
 

@@ -1,4 +1,4 @@
-"""The Prometheus endpoint: heartbeats -> metric families (areal_bus/prometheus.py, fed by the probe's
+"""The Prometheus endpoint: heartbeats -> metric families (areal_bus/runtime/prometheus.py, fed by the probe's
 view), and the probe node serving them on loopback while a real system runs.
 
 The unit tests build heartbeats by hand, encode them as nodes do and scrape the collector through
@@ -29,12 +29,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from areal_bus import messages as m
-from areal_bus.codec import Encoder, decode
-from areal_bus.metrics import Metrics
-from areal_bus.node_configs import ProbeConfig
-from areal_bus.prometheus import HeartbeatCollector
-from areal_bus.topology import Topology
+from areal_bus.wire import messages as m
+from areal_bus.wire.codec import Encoder, decode
+from areal_bus.runtime.metrics import Metrics
+from areal_bus.config.node_configs import ProbeConfig
+from areal_bus.runtime.prometheus import HeartbeatCollector
+from areal_bus.config.topology import Topology
 from nodes.probe import ProbeView
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 
-from areal_bus.spool import Spool
+from areal_bus.runtime.spool import Spool
 from nodes.trainer.recovery import Start
 from tests.test_trainer_core import _acks, _core, _states
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import structlog
 
-from areal_bus.node import NodeShell
-from areal_bus.topology import parse_topology
+from areal_bus.runtime.node import NodeShell
+from areal_bus.config.topology import parse_topology
 
 
 @pytest.fixture

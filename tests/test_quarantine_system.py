@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import zmq
 
-from areal_bus import messages as m
-from areal_bus.codec import Encoder
-from areal_bus.ledger import audit
-from areal_bus.spool import Spool
+from areal_bus.wire import messages as m
+from areal_bus.wire.codec import Encoder
+from areal_bus.runtime.ledger import audit
+from areal_bus.runtime.spool import Spool
 from tests import test_system
 from tests.test_system import System, wait_until
 

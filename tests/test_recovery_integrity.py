@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from areal_bus import messages as m
+from areal_bus.wire import messages as m
 from areal_bus.engines.sim import SimTrainEngine
-from areal_bus.ledger import audit
-from areal_bus.spool import Spool
-from areal_bus.topology import parse_topology
+from areal_bus.runtime.ledger import audit
+from areal_bus.runtime.spool import Spool
+from areal_bus.config.topology import parse_topology
 from nodes.trainer.core import TrainerCore
 from nodes.trainer.recovery import plan_start, recovery_point, write_run_state
 from tests.test_system import ENV, REPO, VENV_BIN, System, wait_until
@@ -300,7 +300,7 @@ def _audit_across(logs: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_a_run_whose_supervisord_died_is_refused_while_its_orphans_live_then_resumed_losing_nothing(make_system):
-    from areal_bus.run import orphans
+    from areal_bus.launch.run import orphans
     from tests.test_crash import CHECKPOINTED
 
     s = make_system(**CHECKPOINTED)

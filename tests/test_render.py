@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from areal_bus.render import render, write_conf
-from areal_bus.runend import EVENTS, should_stop
-from areal_bus.topology import load_topology, parse_topology
+from areal_bus.launch.render import render, write_conf
+from areal_bus.launch.runend import EVENTS, should_stop
+from areal_bus.config.topology import load_topology, parse_topology
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = REPO / "topology" / "default.yaml"

@@ -1,5 +1,5 @@
 """`areal-bus render TOPOLOGY --host ADDR`: one supervisord.conf per host, holding the programs the
-topology places there (areal_bus/placement.py), with torchrun's environment on the trainer's ranks.
+topology places there (areal_bus/config/placement.py), with torchrun's environment on the trainer's ranks.
 
 Run: .venv/bin/pytest tests/test_render_hosts.py
 """
@@ -12,8 +12,8 @@ import subprocess
 import pytest
 import yaml
 
-from areal_bus.render import render
-from areal_bus.topology import TopologyError, parse_topology
+from areal_bus.launch.render import render
+from areal_bus.config.topology import TopologyError, parse_topology
 from tests.fuzzing import venv_bin
 
 A, B = "10.0.0.1", "10.0.0.2"

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_bus import messages as m
+from areal_bus.wire import messages as m
 from areal_bus.engines.sim import SimRolloutEngine
 from areal_bus.engines.torch_engine import TorchRolloutEngine
-from areal_bus.modeling import load_pretrained, make_random_model, save_pretrained
-from areal_bus.topology import load_topology
+from areal_bus.model.modeling import load_pretrained, make_random_model, save_pretrained
+from areal_bus.config.topology import load_topology
 from areal_bus.version import PolicyVersion
 from nodes.rollout.core import ReplyTo, RolloutCore, StepLog
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)

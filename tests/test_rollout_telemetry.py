@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_bus import messages as m
+from areal_bus.wire import messages as m
 from areal_bus.engines.torch_engine import TorchRolloutEngine
-from areal_bus.topology import load_topology
+from areal_bus.config.topology import load_topology
 from nodes.rollout.core import BatchSeries, RolloutCore, StepLog
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 

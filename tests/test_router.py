@@ -18,7 +18,7 @@ import pytest
 import structlog
 from aiohttp import web
 
-from areal_bus.logs import render_line
+from areal_bus.runtime.logs import render_line
 from areal_bus.router import ModelRouter, RouterConfigError, RouterError, load_router_config, parse_router_config
 
 pytestmark = pytest.mark.timeout(30)
@@ -326,7 +326,7 @@ def test_example_config_loads_and_dumps_without_the_key(key_env, monkeypatch):
 def _trajectory(make_traj=None):
     import numpy as np
 
-    from areal_bus import messages as m
+    from areal_bus.wire import messages as m
 
     n = 4
     return m.Trajectory(traj_id="t1", episode_id="e1", ticket=0, worker="w", prompt_ids=np.arange(3, dtype=np.int32),
@@ -336,7 +336,7 @@ def _trajectory(make_traj=None):
 
 
 def _reward_topology(tmp_path, config: dict):
-    from areal_bus.topology import parse_topology
+    from areal_bus.config.topology import parse_topology
 
     return parse_topology({"nodes": {"reward": {"config": config}}, "logging": {"log_dir": str(tmp_path)}})
 
@@ -376,7 +376,7 @@ def test_parse_score_takes_the_first_number_and_normalises():
 
 
 def test_rule_and_passthrough_are_unchanged():
-    from areal_bus.topology import parse_topology
+    from areal_bus.config.topology import parse_topology
     from nodes.reward import make_scorer
 
     traj = _trajectory()

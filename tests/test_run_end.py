@@ -1,5 +1,5 @@
-"""Runs end, and say how: the run-end listener's decisions (areal_bus/runend.py) and ``areal-bus run``
-(areal_bus/run.py) under a real supervisord: a node that cannot run ends the run within seconds with a
+"""Runs end, and say how: the run-end listener's decisions (areal_bus/launch/runend.py) and ``areal-bus run``
+(areal_bus/launch/run.py) under a real supervisord: a node that cannot run ends the run within seconds with a
 non-zero exit and one line naming the node and its log; a good run exits 0; a new run moves the last
 one's logs aside; the progress line reads train_steps.jsonl.
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_bus.run import StepTail, archive_previous, plain_line, summary
-from areal_bus.runend import (CRASH_LIMIT, CRASH_WINDOW_S, EVENTS, START_TRIES, RunWatch, describe, last_error,
+from areal_bus.launch.run import StepTail, archive_previous, plain_line, summary
+from areal_bus.launch.runend import (CRASH_LIMIT, CRASH_WINDOW_S, EVENTS, START_TRIES, RunWatch, describe, last_error,
                               outcome_path)
 from bench.harness import check_outcome
 from tests.test_system import ENV, REPO, VENV_BIN, System

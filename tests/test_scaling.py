@@ -34,14 +34,14 @@ import yaml
 import zmq
 from supervisor.xmlrpc import SupervisorTransport
 
-from areal_bus import messages as m
-from areal_bus.codec import Encoder, decode
+from areal_bus.wire import messages as m
+from areal_bus.wire.codec import Encoder, decode
 from areal_bus.constants import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS, ROLLOUT_DRAIN_S
-from areal_bus.ledger import audit
-from areal_bus.metrics import Metrics
-from areal_bus.node import LEAVING, PeerTable
-from areal_bus.render import STOP_WAIT_S
-from areal_bus.topology import NODE_KINDS, load_topology
+from areal_bus.runtime.ledger import audit
+from areal_bus.runtime.metrics import Metrics
+from areal_bus.runtime.node import LEAVING, PeerTable
+from areal_bus.launch.render import STOP_WAIT_S
+from areal_bus.config.topology import NODE_KINDS, load_topology
 from nodes.gateway.backend import SamplingParams
 from nodes.gateway.bus_backend import REQUEST_DEADLINE_S, BusBackend
 from tests.test_system import ENV, REPO, VENV_BIN, small_topology, wait_until

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areal_bus.topology import NODE_KINDS, dump_resolved, parse_topology
+from areal_bus.config.topology import NODE_KINDS, dump_resolved, parse_topology
 from tests.test_system import ENV, System, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,7 +103,7 @@ def test_the_resolved_dump_redacts_the_admin_token_and_reads_back_without_it(tmp
 def test_validate_prints_the_resolved_config_without_the_token(tmp_path):
     path = tmp_path / "topology.yaml"
     path.write_text(yaml.safe_dump(_gateway_topology()))
-    res = subprocess.run([sys.executable, "-m", "areal_bus.cli", "validate", str(path)], cwd=REPO, env=ENV,
+    res = subprocess.run([sys.executable, "-m", "areal_bus.launch.cli", "validate", str(path)], cwd=REPO, env=ENV,
                          capture_output=True, text=True, timeout=50)
     assert res.returncode == 0, res.stderr
     assert '"admin_token": "<redacted>"' in res.stdout and TOKEN not in res.stdout + res.stderr

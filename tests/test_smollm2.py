@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from areal_bus.messages import GenerateRequest
+from areal_bus.wire.messages import GenerateRequest
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
 PARAMETERS = 134_515_008  # SmolLM2-135M: 30 layers of 576, a 49,152-token embedding tied to the lm_head
@@ -36,7 +36,7 @@ def _tokenizer(folder):
 
 @functools.cache
 def _rollout_model(folder):
-    from areal_bus.modeling import load_pretrained
+    from areal_bus.model.modeling import load_pretrained
 
     return load_pretrained(folder, "cpu", torch.float32)
 
@@ -62,7 +62,7 @@ def _generate(engine, requests):
 def test_transformers_loads_the_folder_with_the_gguf_models_logits_and_tokenizer(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from areal_bus.import_model import PACKAGED, source_path
+    from areal_bus.launch.import_model import PACKAGED, source_path
 
     gguf = source_path("smollm2")
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, local_files_only=True).eval()
@@ -102,8 +102,8 @@ def test_engine_logprobs_equal_the_trainers_recompute_and_greedy_equals_transfor
     from transformers import AutoModelForCausalLM
 
     from areal_bus.engines.torch_engine import TorchRolloutEngine
-    from areal_bus.packing import pack
-    from areal_bus.train_model import load_policy, packed_logprobs
+    from areal_bus.train.packing import pack
+    from areal_bus.train.train_model import load_policy, packed_logprobs
 
     tok = _tokenizer(smollm2_dir)
     prompt = np.asarray(_prompt(tok, QUESTION), np.int32)
@@ -254,7 +254,7 @@ def test_the_trainers_weight_set_matches_the_folder_as_the_vllm_engine_checks_it
     before a swap: the weights the trainer publishes have the names and shapes of the served folder
     (the tied lm_head left out: the embedding stands for it)."""
     from areal_bus.engines import vllm_engine as ve
-    from areal_bus.train_model import export_state_dict, load_policy
+    from areal_bus.train.train_model import export_state_dict, load_policy
 
     policy = load_policy(smollm2_dir)
     published = export_state_dict(policy.state_dict(), policy.config, "bfloat16")

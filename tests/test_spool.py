@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from areal_bus.spool import Spool
+from areal_bus.runtime.spool import Spool
 
 
 def _same(a, b) -> bool:
@@ -91,8 +91,8 @@ def test_a_row_that_does_not_decode_is_reported_not_raised(tmp_path, make_traj):
 WRITER = textwrap.dedent("""
     import sys
     import numpy as np
-    from areal_bus import messages as m
-    from areal_bus.spool import Spool
+    from areal_bus.wire import messages as m
+    from areal_bus.runtime.spool import Spool
 
     spool = Spool(sys.argv[1], sync_every_ms=1e6, batch_rows=10**6)
     n = 2000

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areal_bus.render import STOP_WAIT_S
-from areal_bus.topology import NODE_KINDS, load_topology
+from areal_bus.launch.render import STOP_WAIT_S
+from areal_bus.config.topology import NODE_KINDS, load_topology
 
 REPO = Path(__file__).resolve().parents[1]
 

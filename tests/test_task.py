@@ -12,7 +12,7 @@ from areal_bus.tasks import (
     render_prefix,
 )
 from areal_bus.tasks.guess import bisect_guess, parse_guess, secret_for
-from areal_bus.tokenizer import IM_END, build_tokenizer
+from areal_bus.model.tokenizer import IM_END, build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from areal_bus.messages import Completion
+from areal_bus.wire.messages import Completion
 from areal_bus.tasks import arith
 from areal_bus.tasks.driver import EVAL_SEED_BASE, TaskDriver, render_assistant_turn, render_prefix
 from areal_bus.tasks.math_task import WRONG, MathTask, check, parse_answer
-from areal_bus.topology import DatasetConfig
+from areal_bus.config.topology import DatasetConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "models" / "tiny-guess"
@@ -182,7 +182,7 @@ def test_a_tokenizer_without_a_chat_template_gets_the_project_chatml(tmp_path):
     from transformers import AutoTokenizer
 
     from areal_bus.tasks.runner import load_tokenizer
-    from areal_bus.tokenizer import CHAT_TEMPLATE
+    from areal_bus.model.tokenizer import CHAT_TEMPLATE
 
     tok = AutoTokenizer.from_pretrained(str(TINY))
     tok.chat_template = None

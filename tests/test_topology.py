@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_bus.cli import main
-from areal_bus.topology import Topology, TopologyError, load_topology
+from areal_bus.launch.cli import main
+from areal_bus.config.topology import Topology, TopologyError, load_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "topology").glob("*.yaml"))
@@ -163,7 +163,7 @@ def test_expanded_value_is_validated_like_a_written_one(write, monkeypatch):
 @pytest.mark.timeout(30)
 def test_validate_cli_exits_2_with_the_message_on_stderr(write):
     path = write("staleness_threshold: 100\n")
-    proc = subprocess.run([sys.executable, "-m", "areal_bus.cli", "validate", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "areal_bus.launch.cli", "validate", str(path)],
                           capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert proc.returncode == 2
     assert proc.stdout == ""

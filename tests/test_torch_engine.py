@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from areal_bus.engines.torch_engine import TorchRolloutEngine
-from areal_bus.messages import GenerateRequest
-from areal_bus.modeling import (TINY_LLAMA, TINY_LLAMA31, TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3, KVCache,
+from areal_bus.wire.messages import GenerateRequest
+from areal_bus.model.modeling import (TINY_LLAMA, TINY_LLAMA31, TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3, KVCache,
                                 make_random_model, save_pretrained, token_logprobs)
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 

@@ -13,9 +13,9 @@ import torch
 from areal_bus.engines.torch_engine import TorchRolloutEngine
 from areal_bus.engines.torch_train import TorchTrainEngine, pad_batch
 from areal_bus.episode import EpisodeRecord
-from areal_bus.messages import GenerateRequest
-from areal_bus.modeling import load_pretrained, token_logprobs
-from areal_bus.topology import parse_topology
+from areal_bus.wire.messages import GenerateRequest
+from areal_bus.model.modeling import load_pretrained, token_logprobs
+from areal_bus.config.topology import parse_topology
 from nodes.trainer.recovery import resume_state
 
 
@@ -86,7 +86,7 @@ def test_an_update_raises_the_likelihood_of_rewarded_samples(model_dir):
 def test_dropped_members_rewards_move_their_groups_baseline(model_dir):
     """A group's survivors judged against the whole group: with two dropped losers (reward 0) in each
     group's baseline, the winners' advantage grows and the losers' shrinks in size: a different update."""
-    from areal_bus.loss import grpo_advantages
+    from areal_bus.train.loss import grpo_advantages
 
     trajs = _episodes(model_dir)
     baseline = [(g, 0.0) for g in ("g0", "g1") for _ in range(2)]
@@ -262,7 +262,7 @@ def test_padded_micro_batches_make_the_same_update(model_dir):
 def test_micro_batches_regrouped_to_pad_less_make_the_same_update(model_dir):
     """With padding, a mini-batch's samples are grouped into micro-batches to need less of it (not in
     their order): the update is the unpadded one in order."""
-    from areal_bus.packing import _groups
+    from areal_bus.train.packing import _groups
 
     outputs = [2, 3, 9, 2, 8, 1, 4, 3]  # + 6 prompt tokens: 8 9 15 8 | 14 7 10 9
     lengths = [6 + n for n in outputs]
@@ -282,7 +282,7 @@ def test_mini_batches_aligned_to_the_padding_make_the_update_of_their_members(mo
     """With padding, neighbouring mini-batches trade samples so their totals need less of it: the update
     is the unpadded one whose in-order mini-batches are those members (the optimizer steps see the
     samples the alignment chose, and nothing else changes)."""
-    from areal_bus.packing import mini_batch_members
+    from areal_bus.train.packing import mini_batch_members
 
     outputs = [2, 3, 9, 3, 8, 1, 4, 2]  # + 6 prompt tokens: 8 9 15 9 | 14 7 10 8
     lengths = [6 + n for n in outputs]
@@ -318,7 +318,7 @@ def test_the_head_on_the_loss_tokens_only_makes_the_same_update(model_dir, monke
     """The engine packs with loss_only: the lm_head runs on the loss's tokens (not the prompts), and the
     update, its diagnostics and the entropy are those of the head over every position."""
     import areal_bus.engines.torch_train as torch_train
-    from areal_bus import packing
+    from areal_bus.train import packing
 
     trajs = _episodes(model_dir)
     runs, head_rows = [], []

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from areal_bus.loss import decoupled_ppo_loss
-from areal_bus.modeling import load_pretrained, logprobs_of, token_logprobs
-from areal_bus.packing import pack
+from areal_bus.train.loss import decoupled_ppo_loss
+from areal_bus.model.modeling import load_pretrained, logprobs_of, token_logprobs
+from areal_bus.train.packing import pack
 from areal_bus.engines.torch_train import compile_layers
-from areal_bus.train_model import (VARLEN, VARLEN_FA4, ComputeCopy, PackedLM, autocast, export_state_dict,
+from areal_bus.train.train_model import (VARLEN, VARLEN_FA4, ComputeCopy, PackedLM, autocast, export_state_dict,
                                    head_logprobs, load_policy, packed_logprobs, train_flops)
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
@@ -86,7 +86,7 @@ def test_each_architecture_packs_trains_and_reloads(kind, tmp_path):
 
 @pytest.mark.parametrize("kind", sorted(ARCHITECTURES))
 def test_the_rollout_decoder_samples_with_the_trainers_log_probabilities_for_each_architecture(kind, tmp_path):
-    """The behaviour log-probabilities the torch engine records (areal_bus/modeling.py, from the checkpoint
+    """The behaviour log-probabilities the torch engine records (areal_bus/model/modeling.py, from the checkpoint
     transformers wrote) are what the trainer recomputes: its importance weights start at 1."""
     _save_random(kind, tmp_path / "m")
     trainer, rollout = load_policy(tmp_path / "m"), load_pretrained(tmp_path / "m")
@@ -117,7 +117,7 @@ def test_packing_caps_micro_batches_and_keeps_order():
 def test_packing_balances_micro_batches_without_adding_any():
     """A mini-batch just over the cap makes two halves (not a full micro-batch and a sliver), in as many
     micro-batches as filling each to the cap makes, none over the cap, the samples in order."""
-    from areal_bus.packing import _fill, _groups
+    from areal_bus.train.packing import _fill, _groups
 
     assert [p.tokens for p in pack(_samples(np.random.default_rng(2), [20, 20, 20, 10]), max_tokens=64)] == [40, 30]
     rng = np.random.default_rng(0)
@@ -136,7 +136,7 @@ def test_padded_packing_regroups_samples_to_pad_less():
     """With pad_to > 1 a mini-batch's samples are regrouped so that every micro-batch but one ends just
     short of a multiple of pad_to: as many micro-batches as in order, none over the cap, every sample
     once, never more padding than in order, and over the seed's lengths much less."""
-    from areal_bus.packing import _groups, _padding
+    from areal_bus.train.packing import _groups, _padding
 
     assert _groups([4, 5, 3, 4], 9) == [[0, 1], [2, 3]]  # in order: 9 and 7, padded to 16 and 8
     assert _groups([4, 5, 3, 4], 9, pad_to=8) == [[0, 3], [1, 2]]  # 8 and 8: no padding
@@ -167,7 +167,7 @@ def test_padded_mini_batches_trade_boundary_samples_to_align_their_totals():
     that each but the last totals just short of a multiple of pad_to: as many mini-batches, of the same
     sizes, every sample once, each ending (in tokens) within pad_to of its in-order end, no sample more
     than one mini-batch from its own; without padding, the in-order mini-batches themselves."""
-    from areal_bus.packing import SWAP_WINDOW, mini_batch_members, mini_batches
+    from areal_bus.train.packing import SWAP_WINDOW, mini_batch_members, mini_batches
 
     assert mini_batch_members([8, 9, 15, 9, 14, 7, 10, 8], 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert mini_batch_members([8, 9, 15, 9, 14, 7, 10, 8], 4, pad_to=8)[0] != [0, 1, 2, 3]
@@ -256,7 +256,7 @@ def test_chunked_head_gradients_equal_whole_logits_in_float64(temperature, softc
 def test_the_head_keeps_no_logit_gradients_without_a_backward_to_come(monkeypatch):
     """Under no_grad (the proximal pass) the weights still require grad, but no backward will come:
     the forward makes no logit gradients (their compute and memory would be wasted)."""
-    import areal_bus.train_model as tm
+    import areal_bus.train.train_model as tm
 
     calls = []
     kept = tm._chunk_logprobs_kept
@@ -509,7 +509,7 @@ def test_cuda_fa4_replayed_calls_give_what_whole_calls_give(monkeypatch, heads, 
     of several shapes, each called as the layers of a micro-batch call it (recorded once, then replayed),
     with and without gradients (the gradients to the backward's own run-to-run noise)."""
     pytest.importorskip("flash_attn.cute.interface")
-    from areal_bus import fa4_ops
+    from areal_bus.train import fa4_ops
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -608,7 +608,7 @@ def test_padding_longer_than_every_sample_still_bounds_the_attention():
 
 @pytest.mark.parametrize("pad_to", [1, 16])
 def test_packing_rows_of_a_padded_batch_equals_packing_the_samples(pad_to):
-    from areal_bus.packing import pack_rows
+    from areal_bus.train.packing import pack_rows
 
     samples = _samples(np.random.default_rng(8), [30, 7, 50, 90, 12, 3])
     for s, v in zip(samples, range(len(samples))):
@@ -644,7 +644,7 @@ def test_an_update_is_cut_into_equal_mini_batches_never_a_tail():
     """Each mini-batch is an optimizer step: an async update of 72 samples at mini_batch_size 64 is two
     steps of 36, not 64 and a step on 8 samples; never more steps than ceil(count / size), never a part
     over ``size``, parts differing by one sample at most, the samples in order."""
-    from areal_bus.packing import mini_batches
+    from areal_bus.train.packing import mini_batches
 
     assert [len(r) for r in mini_batches(72, 64)] == [36, 36]
     assert [len(r) for r in mini_batches(128, 64)] == [64, 64]  # a full synchronous batch as before

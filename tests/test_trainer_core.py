@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from areal_bus import messages as m
-from areal_bus.spool import Spool
-from areal_bus.topology import parse_topology
+from areal_bus.wire import messages as m
+from areal_bus.runtime.spool import Spool
+from areal_bus.config.topology import parse_topology
 from nodes.trainer.core import TrainerCore
 from nodes.trainer.recovery import Start, plan_start, write_run_state
 
@@ -129,7 +129,7 @@ def test_the_late_members_of_a_group_taken_in_part_get_their_whole_group_advanta
     after. Judged among themselves the long ones are all equal: advantage 0, nothing learned. Judged
     against the whole group (their baseline: the first part's rewards) they get what GRPO over all
     four gives them."""
-    from areal_bus.loss import grpo_advantages
+    from areal_bus.train.loss import grpo_advantages
 
     core = _core(agent={"group_size": 4})
     core.receive([make_traj(f"{g}-{i}", ticket=10 * k + i, group_id=g, reward=1.0)

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areal_bus.security import make_keys
+from areal_bus.wire.security import make_keys
 from tests.fuzzing import venv_bin
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,11 +169,11 @@ def test_a_run_split_across_two_hosts_trains_to_the_end_over_curve(hosts, work):
 
 _SENDER = """
 import hashlib, json, sys, time, zmq, msgpack, torch
-from areal_bus.channels import open_socket
-from areal_bus.metrics import Metrics
-from areal_bus.security import bus_context, load_keys
-from areal_bus.weights_shm import ShmWeightWriter
-from areal_bus.weights_transfer import chunk_frames
+from areal_bus.wire.channels import open_socket
+from areal_bus.runtime.metrics import Metrics
+from areal_bus.wire.security import bus_context, load_keys
+from areal_bus.weights.shm import ShmWeightWriter
+from areal_bus.weights.transfer import chunk_frames
 key, endpoint, name = sys.argv[1:4]
 g = torch.Generator().manual_seed(11)
 state = {"embed": torch.randn(400, 64, generator=g).bfloat16(), "proj": torch.randn(64, 64, generator=g),
@@ -194,11 +194,11 @@ ctx.destroy(linger=5000)
 
 _RECEIVER = """
 import hashlib, json, sys, zmq, msgpack, torch
-from areal_bus.channels import open_socket
-from areal_bus.metrics import Metrics
-from areal_bus.security import bus_context, load_keys
-from areal_bus.weights_shm import ShmWeightReader
-from areal_bus.weights_transfer import ChunkAssembler
+from areal_bus.wire.channels import open_socket
+from areal_bus.runtime.metrics import Metrics
+from areal_bus.wire.security import bus_context, load_keys
+from areal_bus.weights.shm import ShmWeightReader
+from areal_bus.weights.transfer import ChunkAssembler
 key, endpoint, name = sys.argv[1:4]
 ctx = bus_context(load_keys(key), Metrics(), None)
 pull = open_socket(ctx, zmq.PULL, endpoint, bind=True)
@@ -249,11 +249,11 @@ def test_weights_cross_from_one_host_to_the_other_over_curve(hosts, work):
 
 _CACHED_VERSION = """
 import sys, zmq
-from areal_bus import messages as m
-from areal_bus.channels import open_socket
-from areal_bus.codec import decode
-from areal_bus.metrics import Metrics
-from areal_bus.security import bus_context, load_keys
+from areal_bus.wire import messages as m
+from areal_bus.wire.channels import open_socket
+from areal_bus.wire.codec import decode
+from areal_bus.runtime.metrics import Metrics
+from areal_bus.wire.security import bus_context, load_keys
 ctx = bus_context(load_keys(sys.argv[1]), Metrics(), None)
 sub = open_socket(ctx, zmq.SUB, sys.argv[2], bind=False, subscribe=(m.TOPIC_VERSION,))
 print(decode(sub.recv_multipart()[1:])[1] if sub.poll(3000) else "nothing")
@@ -270,8 +270,8 @@ def test_a_peer_on_the_other_host_without_the_key_gets_nothing_onto_the_bus(host
                                cwd=work, stdout=out, stderr=subprocess.STDOUT)
     stranger = (
         "import sys, time, zmq\n"
-        "from areal_bus import messages as m\n"
-        "from areal_bus.codec import Encoder\n"
+        "from areal_bus.wire import messages as m\n"
+        "from areal_bus.wire.codec import Encoder\n"
         "ctx = zmq.Context(); pub = ctx.socket(zmq.PUB); pub.linger = 0; pub.connect(sys.argv[1])\n"
         "frames = Encoder('weights-0').encode(m.VersionAnnounce(version=99, location='', nbytes=0, published_at=0.0))\n"
         "end = time.time() + 4\n"
@@ -397,7 +397,7 @@ def _wait(cond, timeout: float, what: str, show) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_trainer_ranks_and_weights_span_two_hosts_and_a_killed_host_rejoins(hosts, work):
-    from areal_bus.ledger import audit
+    from areal_bus.runtime.ledger import audit
 
     _, key = make_keys(work / "keys")
     a, b = _host_folder(work, "a", work / "keys"), _host_folder(work, "b", work / "keys")

@@ -1,5 +1,5 @@
 """``areal-bus validate`` checks every knob of a run, not only the topology's own fields: each node kind's
-``nodes.<kind>.config`` against its schema (areal_bus/node_configs.py), the router YAML a gateway or a
+``nodes.<kind>.config`` against its schema (areal_bus/config/node_configs.py), the router YAML a gateway or a
 judging reward node names, and the model folder the engines and the gateway load. Each problem is one
 message on stderr naming the file, the field path and the fix, and the exit status is 2.
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areal_bus.cli import main
-from areal_bus.topology import dump_resolved, load_topology, parse_topology
+from areal_bus.launch.cli import main
+from areal_bus.config.topology import dump_resolved, load_topology, parse_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "tiny-guess"
@@ -202,7 +202,7 @@ def test_checking_a_sim_topologys_files_does_not_import_torch(tmp_path):
         "rollout_engine": {"kind": "sim"}, "trainer_engine": {"kind": "sim", "eval_interval": 5},
         # the gateway needs the model (its tokenizer), so the model's files are checked
         "nodes": {"bus": {}, "trainer": {}, "gateway": {"config": {"admin_token": "validate-test-admin-token"}}}}))
-    code = ("import sys\nfrom areal_bus.cli import _load\n_load(sys.argv[1])\n"
+    code = ("import sys\nfrom areal_bus.launch.cli import _load\n_load(sys.argv[1])\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "t.yaml")], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)

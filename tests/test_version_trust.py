@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 import zmq
 
-from areal_bus import messages as m
-from areal_bus.channels import open_socket
-from areal_bus.codec import Encoder, pack_topic
+from areal_bus.wire import messages as m
+from areal_bus.wire.channels import open_socket
+from areal_bus.wire.codec import Encoder, pack_topic
 from areal_bus.constants import LINEAGE_WAIT_S
 from areal_bus.engines.sim import SimRolloutEngine
-from areal_bus.node import NodeShell
-from areal_bus.topology import RolloutEngineConfig, load_topology
+from areal_bus.runtime.node import NodeShell
+from areal_bus.config.topology import RolloutEngineConfig, load_topology
 from areal_bus.version import PolicyVersion, VersionTrust
 from nodes.rollout.core import RolloutCore, StepLog
 
@@ -108,7 +108,7 @@ def bus():
     path = work / "topology.yaml"
     path.write_text(f"endpoints: {{transport: ipc, ipc_dir: {work / 'ipc'}}}\nlogging: {{log_dir: {work / 'logs'}}}\n")
     with open(work / "bus.out", "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "areal_bus.cli", "node", "bus", "--topology", str(path)],
+        proc = subprocess.Popen([sys.executable, "-m", "areal_bus.launch.cli", "node", "bus", "--topology", str(path)],
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
         yield load_topology(path), work

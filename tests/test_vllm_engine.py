@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from areal_bus.engines import vllm_engine as ve
-from areal_bus.messages import GenerateRequest
-from areal_bus.topology import TopologyError, parse_topology
-from areal_bus.weights_shm import ShmWeightWriter, segment_path
+from areal_bus.wire.messages import GenerateRequest
+from areal_bus.config.topology import TopologyError, parse_topology
+from areal_bus.weights.shm import ShmWeightWriter, segment_path
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "models" / "tiny-guess"
@@ -65,11 +65,11 @@ def _out(rid, tokens, lps, finished=False, reason=None, extra=None):
 # -- the checkpoint ---------------------------------------------------------------------------------------
 
 def test_what_the_engine_reads_of_a_checkpoint_comes_from_transformers_for_any_architecture(tmp_path):
-    """Before: the engine built areal_bus.modeling's config for it, so a Qwen3 or Llama 3.1 checkpoint (and any
+    """Before: the engine built areal_bus.model.modeling's config for it, so a Qwen3 or Llama 3.1 checkpoint (and any
     architecture that decoder does not run) was refused before vLLM saw it."""
     import transformers
 
-    from areal_bus.modeling import TINY_LLAMA31, TINY_QWEN3, make_random_model, save_pretrained
+    from areal_bus.model.modeling import TINY_LLAMA31, TINY_QWEN3, make_random_model, save_pretrained
 
     save_pretrained(make_random_model(TINY_QWEN3, 0), tmp_path / "qwen3")
     save_pretrained(make_random_model({**TINY_LLAMA31, "eos_token_id": [2, 5, 7]}, 0), tmp_path / "llama3.1")
@@ -187,7 +187,7 @@ def test_checkpoint_shapes_come_from_the_safetensors_headers(tmp_path):
 
 
 def test_the_shipped_checkpoint_matches_its_own_layout():
-    from areal_bus.modeling import load_pretrained
+    from areal_bus.model.modeling import load_pretrained
 
     model = load_pretrained(TINY)
     got = {k: tuple(v.shape) for k, v in model.named_parameters()}  # what the trainer publishes
@@ -211,7 +211,7 @@ def test_cuda_handles_are_moved_to_this_process_device_index():
 
 
 def test_cuda_handles_are_read_again_only_when_the_trainer_rewrites_them(tmp_path):
-    from areal_bus.weights_cuda import save_handles
+    from areal_bus.weights.cuda import save_handles
 
     path = tmp_path / "policy.cuda-handles"
     save_handles(path, {"format": 1, "name": "policy", "buffers": []})
@@ -316,7 +316,7 @@ def _run(engine, reqs, between=None, max_steps=500):
 
 
 def _recompute(model, req, comp):
-    from areal_bus.modeling import token_logprobs
+    from areal_bus.model.modeling import token_logprobs
 
     ids = torch.tensor([list(req.prompt_ids) + comp.output_ids.tolist()], device="cuda")
     with torch.no_grad():
@@ -326,7 +326,7 @@ def _recompute(model, req, comp):
 
 @pytest.mark.gpu
 def test_vllm_logprobs_are_what_the_trainer_recomputes(vllm_engine):
-    from areal_bus.modeling import load_pretrained
+    from areal_bus.model.modeling import load_pretrained
 
     reqs = [_req("g", [1, 5, 7], 12, temperature=0.0), _req("t", [3, 4], 12, temperature=0.7)]
     done = _run(vllm_engine, reqs)
@@ -338,7 +338,7 @@ def test_vllm_logprobs_are_what_the_trainer_recomputes(vllm_engine):
 
 @pytest.mark.gpu
 def test_vllm_swap_between_steps_tags_later_tokens_and_serves_the_new_weights(vllm_engine, shm_name):
-    from areal_bus.modeling import load_pretrained
+    from areal_bus.model.modeling import load_pretrained
 
     model = load_pretrained(TINY, "cuda", torch.bfloat16)
     state = {k: (v.float() + 0.05 * torch.randn_like(v.float())).cpu() for k, v in model.named_parameters()}
@@ -368,7 +368,7 @@ def _cached(engine, rid, prompt):
 
 @pytest.mark.gpu
 def test_vllm_reuses_an_earlier_turns_prefix_but_never_across_a_swap(vllm_engine, shm_name):
-    from areal_bus.modeling import load_pretrained
+    from areal_bus.model.modeling import load_pretrained
 
     prompt = [1 + (7 * i) % 90 for i in range(40)]  # two full 16-token blocks and some
     assert _cached(vllm_engine, "c0", prompt) == 0
@@ -389,8 +389,8 @@ def test_vllm_reuses_an_earlier_turns_prefix_but_never_across_a_swap(vllm_engine
 def _cuda_publisher(conn) -> None:
     """The trainer's side of a CUDA IPC handoff, in its own process (a process cannot open its own
     CUDA IPC handles): the tiny checkpoint plus noise as version ``v`` for each ``v`` asked for."""
-    from areal_bus.modeling import load_pretrained
-    from areal_bus.weights_cuda import CudaWeightWriter
+    from areal_bus.model.modeling import load_pretrained
+    from areal_bus.weights.cuda import CudaWeightWriter
 
     model = load_pretrained(TINY, "cuda", torch.bfloat16)
     base = {k: v.detach() for k, v in model.named_parameters()}
@@ -406,7 +406,7 @@ def _cuda_publisher(conn) -> None:
 def test_vllm_takes_weights_from_another_process_over_cuda_ipc_mid_generation(vllm_engine):
     import multiprocessing as mp
 
-    from areal_bus.modeling import load_pretrained
+    from areal_bus.model.modeling import load_pretrained
 
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from areal_bus.tasks import GuessTask, eval_seeds
-from areal_bus.warmstart import RECIPE_FILE, Recipe, evaluate, is_built, play, warmstart
+from areal_bus.launch.warmstart import RECIPE_FILE, Recipe, evaluate, is_built, play, warmstart
 
 # A few steps of a very small model: exercises the whole path (data, masked SFT, save, load, play).
 TINY = Recipe(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from areal_bus.constants import WATCHDOG_FIRST_BEAT_S, WATCHDOG_SILENT_S
-from areal_bus.watchdog import HeartbeatWatch, process_alive
+from areal_bus.launch.watchdog import HeartbeatWatch, process_alive
 from tests.test_system import System, wait_until
 
 

@@ -11,11 +11,11 @@ import msgpack
 import pytest
 import torch
 
-from areal_bus.weights_cuda import (
+from areal_bus.weights.cuda import (
     BufferBusy, CudaWeightReader, CudaWeightWriter, HANDLE_FIELDS, check_handle, handle_args,
     handle_to_dict, make_location, parse_location,
 )
-from areal_bus.weights_shm import ALIGN
+from areal_bus.weights.shm import ALIGN
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
 

@@ -12,7 +12,7 @@ import uuid
 import pytest
 import torch
 
-from areal_bus.weights_shm import (
+from areal_bus.weights.shm import (
     BufferBusy,
     BufferLedger,
     Layout,

@@ -1,4 +1,4 @@
-"""Cross-host weight transfer (areal_bus.weights_transfer): a committed shared-memory version cut into
+"""Cross-host weight transfer (areal_bus.weights.transfer): a committed shared-memory version cut into
 chunks, sent over a real ZeroMQ PUSH/PULL pair and assembled into another weight set with identical
 tensors; a corrupt chunk abandons its version, which is never committed. Across two network namespaces
 over CURVE: tests/test_two_hosts.py."""
@@ -10,8 +10,8 @@ import pytest
 import torch
 import zmq
 
-from areal_bus.weights_shm import ShmWeightReader, ShmWeightWriter, VersionUnavailable
-from areal_bus.weights_transfer import ChunkAssembler, ChunkError, chunk_frames
+from areal_bus.weights.shm import ShmWeightReader, ShmWeightWriter, VersionUnavailable
+from areal_bus.weights.transfer import ChunkAssembler, ChunkError, chunk_frames
 from tests.test_weights_shm import assert_same, name, small_state  # noqa: F401 (name: fixture)
 
 

@@ -10,7 +10,7 @@ from typing import Protocol
 import numpy as np
 
 from areal_bus.constants import STREAM_EVERY_S
-from areal_bus.messages import Completion, GenerateRequest
+from areal_bus.wire.messages import Completion, GenerateRequest
 
 
 class RolloutEngine(Protocol):

@@ -39,8 +39,8 @@ On CPU the same step runs eagerly (``graphs=False``): that is what the CPU tests
 full forward pass. Quick check (CPU)::
 
     python -c "
-    import numpy as np; from areal_bus.modeling import make_random_model, TINY_QWEN2
-    from areal_bus.engines.torch_engine import TorchRolloutEngine; from areal_bus.messages import GenerateRequest
+    import numpy as np; from areal_bus.model.modeling import make_random_model, TINY_QWEN2
+    from areal_bus.engines.torch_engine import TorchRolloutEngine; from areal_bus.wire.messages import GenerateRequest
     e = TorchRolloutEngine(make_random_model(TINY_QWEN2, 0, std=0.2), max_batch=2, max_len=64, eos_token_ids=[],
                            static_decode=True)
     e.add_request(GenerateRequest('r0', 'e0', 0, 0, 8, 0.0, np.array([1, 5, 7], np.int32)))
@@ -58,7 +58,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from areal_bus.modeling import CausalLM, KVCache, RMSNorm, apply_rope, rms_norm, rope_cos_sin, scaled_logits
+from areal_bus.model.modeling import CausalLM, KVCache, RMSNorm, apply_rope, rms_norm, rope_cos_sin, scaled_logits
 
 # The smallest length bucket: below it attention costs nothing next to the weights, and fewer
 # buckets mean fewer graphs to capture.
@@ -262,7 +262,7 @@ class StaticDecoder:
             if cfg.qk_norm:
                 norms += [n for layer in layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
             if not all(type(n) is RMSNorm for n in norms):
-                raise ValueError("decode fusion computes areal_bus.modeling.RMSNorm; this model has other norms")
+                raise ValueError("decode fusion computes areal_bus.model.modeling.RMSNorm; this model has other norms")
             try:  # compiled here, not at the first decode step, so a missing toolchain refuses to start
                 _fused(_silu_mul)(torch.zeros(2, 2 * cfg.intermediate_size, device=cache.k.device,
                                               dtype=cache.k.dtype))

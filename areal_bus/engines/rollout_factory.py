@@ -71,10 +71,10 @@ def relay_weight_set(topo, base=None) -> str:
 def _far_loader(topo, base, replica: int, log):
     """The weight loader of a rollout worker on a host without shared memory with the trainer, or None
     on the trainer's host. The announcement names the trainer's buffer; here the version is looked up
-    in this host's relayed weight set (areal_bus/placement.py, nodes/weights.py), and the sha256 of
+    in this host's relayed weight set (areal_bus/config/placement.py, nodes/weights.py), and the sha256 of
     what is served is logged (``weights_received``), to compare with the broadcaster's."""
-    from areal_bus import placement
-    from areal_bus.weights_shm import ShmWeightReader, WeightShmError, parse_location
+    from areal_bus.config import placement
+    from areal_bus.weights.shm import ShmWeightReader, WeightShmError, parse_location
 
     if placement.host_of(topo, "rollout", replica) not in placement.far_rollout_hosts(topo):
         return None
@@ -100,7 +100,7 @@ def _far_loader(topo, base, replica: int, log):
 
 def _torch_engine(topo, worker: str, replica: int, base, log=None) -> BuiltRolloutEngine:
     from areal_bus.engines.torch_engine import TorchRolloutEngine
-    from areal_bus.weights_shm import ShmWeightReader, WeightShmError
+    from areal_bus.weights.shm import ShmWeightReader, WeightShmError
 
     cfg = topo.rollout_engine
     path = topo.model_path(base)
@@ -124,7 +124,7 @@ def _torch_engine(topo, worker: str, replica: int, base, log=None) -> BuiltRollo
         nonlocal cuda_reader
         if not location.startswith("cuda:"):
             return reader.open(location)
-        from areal_bus.weights_cuda import CudaWeightReader, handles_path, load_handles
+        from areal_bus.weights.cuda import CudaWeightReader, handles_path, load_handles
 
         handles = handles_path(topo.ipc_dir(base), topo.shm_name(base))
         stamp = handles.stat().st_mtime_ns

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_bus.messages import Completion, GenerateRequest, Trajectory
-from areal_bus.topology import LengthDistribution, RolloutEngineConfig, TrainerEngineConfig
+from areal_bus.wire.messages import Completion, GenerateRequest, Trajectory
+from areal_bus.config.topology import LengthDistribution, RolloutEngineConfig, TrainerEngineConfig
 
 
 def draw_length(dist: LengthDistribution, rng: np.random.Generator) -> int:
@@ -146,7 +146,7 @@ class SimTrainEngine:
         rewards = [t.reward for t in batch if t.reward is not None]
         mean_reward = float(np.mean(rewards)) if rewards else 0.0
         # A stand-in loss that moves like a real one would (down with steps), so curves and logs have
-        # a realistic shape; the real objective is areal_bus.loss.decoupled_ppo_loss.
+        # a realistic shape; the real objective is areal_bus.train.loss.decoupled_ppo_loss.
         loss = float(1.0 / (1.0 + 0.05 * version) - 0.1 * mean_reward)
         return {"loss": loss, "tokens": tokens, "reward": mean_reward}
 

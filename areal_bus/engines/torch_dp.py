@@ -9,7 +9,7 @@ each rank does with it (its share of every mini-batch, FSDP2 / tensor-parallel c
 
 A rank whose parent (rank 0) dies exits on its own: it would otherwise wait in a collective forever.
 
-Across hosts (``nodes.trainer.hosts``; areal_bus/placement.py) the ranks rendezvous through
+Across hosts (``nodes.trainer.hosts``; areal_bus/config/placement.py) the ranks rendezvous through
 torch.distributed's env:// as torchrun sets it: the rendered supervisord programs carry MASTER_ADDR,
 MASTER_PORT (rank 0's TCPStore), WORLD_SIZE, NODE_RANK and LOCAL_WORLD_SIZE. Rank 0's host starts its
 local ranks from the node, as on one host; every other host's supervisord runs this module's ``main``
@@ -169,7 +169,7 @@ def _pin_interface(environ=os.environ) -> None:
     """Point gloo and NCCL at the interface of this host's address (placement.HOST_ADDR_ENV), unless
     the user chose one: torch otherwise resolves the host name, which may well be 127.0.0.1, and the
     other hosts' ranks then fail to connect ("connectFullMesh ... Connection refused")."""
-    from areal_bus.placement import HOST_ADDR_ENV
+    from areal_bus.config.placement import HOST_ADDR_ENV
 
     addr = environ.get(HOST_ADDR_ENV)
     if not addr:
@@ -195,7 +195,7 @@ def _refuse_resume_across_hosts(topology_path, model_path) -> None:
     checkpoint (which only its host holds) would train shards of two different models."""
     from pathlib import Path
 
-    from areal_bus.topology import load_topology
+    from areal_bus.config.topology import load_topology
 
     topo = load_topology(topology_path)
     if Path(model_path).resolve() != topo.model_path().resolve():
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     import signal
 
     from areal_bus.engines.torch_parallel import backend_for
-    from areal_bus.topology import load_topology
+    from areal_bus.config.topology import load_topology
 
     p = argparse.ArgumentParser(description="the trainer ranks of one host (NODE_RANK > 0), as supervisord "
                                 "runs them from `areal-bus render TOPOLOGY --host ADDR`")

@@ -1,6 +1,6 @@
 """A real rollout engine in plain torch: static KV cache, continuous batching, version-tagged tokens.
 
-``TorchRolloutEngine`` implements ``RolloutEngine`` (see ``base``) over ``areal_bus.modeling``. It is
+``TorchRolloutEngine`` implements ``RolloutEngine`` (see ``base``) over ``areal_bus.model.modeling``. It is
 small enough to read in one sitting and exact enough to test against a full forward pass: the
 reference for correctness that runs anywhere torch does (a vLLM engine is the one for throughput).
 
@@ -32,8 +32,8 @@ running sequences under the new weights (as an engine that flushes its cache on 
 Quick check::
 
     python -c "
-    import numpy as np; from areal_bus.modeling import make_random_model, TINY_QWEN2
-    from areal_bus.engines.torch_engine import TorchRolloutEngine; from areal_bus.messages import GenerateRequest
+    import numpy as np; from areal_bus.model.modeling import make_random_model, TINY_QWEN2
+    from areal_bus.engines.torch_engine import TorchRolloutEngine; from areal_bus.wire.messages import GenerateRequest
     e = TorchRolloutEngine(make_random_model(TINY_QWEN2, 0, std=0.2), max_batch=2, max_len=64, eos_token_ids=[])
     e.add_request(GenerateRequest('r0', 'e0', 0, 0, 8, 0.0, np.array([1, 5, 7], np.int32)))
     while not (done := e.step()): pass
@@ -53,8 +53,8 @@ import numpy as np
 import torch
 
 from areal_bus.engines.cuda_decode import sample, static_decoder, top_p_filter
-from areal_bus.messages import Completion, GenerateRequest
-from areal_bus.modeling import CausalLM, KVCache, as_dtype, check_state_dict, load_pretrained, load_safetensors
+from areal_bus.wire.messages import Completion, GenerateRequest
+from areal_bus.model.modeling import CausalLM, KVCache, as_dtype, check_state_dict, load_pretrained, load_safetensors
 
 __all__ = ["TorchRolloutEngine", "make_output", "top_p_filter"]
 

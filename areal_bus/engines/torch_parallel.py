@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from areal_bus.engines.torch_dp import _CMD_STOP, _CMD_TRAIN, DataParallel, _watch_parent
 from areal_bus.engines.torch_train import TorchTrainEngine, load_optimizer_keeping_options
-from areal_bus.train_model import PackedLM, save_weights
+from areal_bus.train.train_model import PackedLM, save_weights
 
 CMD_WEIGHTS, CMD_OPTIMIZER, CMD_LOAD_OPTIMIZER = 2, 3, 4
 """Rank 0's commands besides train and stop: gather the full weights / AdamW's full state; load
@@ -334,7 +334,7 @@ def start(topo, topology_path: str | Path, model_path: str | Path, publisher=Non
 
 
 def main(argv=None) -> int:
-    from areal_bus.topology import load_topology
+    from areal_bus.config.topology import load_topology
 
     p = argparse.ArgumentParser(description="a trainer rank > 0 (started by the trainer node)")
     p.add_argument("--topology", required=True)

@@ -1,6 +1,6 @@
 """The real trainer engine: staleness-aware PPO on any Hugging Face causal LM, in plain torch.
 
-The policy is transformers' own model class for the checkpoint (``areal_bus.train_model``): float32
+The policy is transformers' own model class for the checkpoint (``areal_bus.train.train_model``): float32
 master weights and AdamW state, compute in ``model.dtype`` (``trainer_engine.mixed_precision``: a
 compute copy refreshed once per optimizer step, or autocast; ``trainer_engine.compile`` compiles each
 decoder layer). One ``train(batch,
@@ -40,11 +40,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from areal_bus.loss import decoupled_ppo_loss, grpo_advantages, kl_penalty, loglinear_proximal, masked_mean
-from areal_bus.messages import Trajectory
-from areal_bus.modeling import as_dtype
-from areal_bus.packing import Packed, mini_batch_members, pack_rows
-from areal_bus.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, load_policy, packed_logprobs,
+from areal_bus.train.loss import decoupled_ppo_loss, grpo_advantages, kl_penalty, loglinear_proximal, masked_mean
+from areal_bus.wire.messages import Trajectory
+from areal_bus.model.modeling import as_dtype
+from areal_bus.train.packing import Packed, mini_batch_members, pack_rows
+from areal_bus.train.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, load_policy, packed_logprobs,
                                    save_weights)
 
 # Names of the update's phases in a torch profile (bench/trainer.py --trace, bench/trace_summary.py): a few

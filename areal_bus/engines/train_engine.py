@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from areal_bus.messages import Trajectory
+from areal_bus.wire.messages import Trajectory
 
 
 class WeightsBusy(RuntimeError):
@@ -79,10 +79,10 @@ class WeightPublisher:
         self.writer = None
 
     def publish(self, state_dict, version: int) -> tuple[str, int]:
-        from areal_bus.weights_shm import BufferBusy, ShmWeightWriter
+        from areal_bus.weights.shm import BufferBusy, ShmWeightWriter
 
         if self.writer is None and self.topo.trainer_device.startswith("cuda"):
-            from areal_bus.weights_cuda import CudaWeightWriter, handles_path, save_handles
+            from areal_bus.weights.cuda import CudaWeightWriter, handles_path, save_handles
 
             device = next(iter(state_dict.values())).device
             self.writer = CudaWeightWriter(self.topo.shm_name(self.base), state_dict, device=device)
@@ -125,7 +125,7 @@ def build_train_engine(topo, base=None, checkpoint: Path | None = None) -> Train
     publisher = WeightPublisher(topo, base)
     if topo.train_workers > 1:  # parallelism dp x tp ranks (FSDP2, DTensor); this process is rank 0
         from areal_bus.engines import torch_parallel
-        from areal_bus.topology import dump_resolved
+        from areal_bus.config.topology import dump_resolved
 
         # The other ranks read the resolved topology dumped here (JSON is YAML).
         resolved = topo.log_dir(base) / "resolved" / "trainer-dp.json"

@@ -67,7 +67,7 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_bus.messages import Completion, GenerateRequest
+from areal_bus.wire.messages import Completion, GenerateRequest
 
 INSTALL_HINT = "pip install 'areal-bus[vllm]'"
 
@@ -207,7 +207,7 @@ def fit_engine_args(kwargs: dict, known: Iterable[str]) -> dict:
 def served_facts(model_path: str | Path) -> tuple[bool, list[int]]:
     """(whether the checkpoint's lm_head is its embedding, its eos ids), from its config.json as
     transformers reads it (class defaults included): any architecture vLLM and the trainer's
-    transformers model serve, not only those areal_bus.modeling's own decoder runs."""
+    transformers model serve, not only those areal_bus.model.modeling's own decoder runs."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model_path)
@@ -276,7 +276,7 @@ def handles_on_device(handles: Mapping, index: int) -> dict:
 def changed_handles(path: str | Path, stamp: int | None) -> tuple[int, dict | None]:
     """The trainer's CUDA handles file (``weights_cuda.save_handles``) if it changed since ``stamp``
     (its mtime in ns when last read), else None; and its current stamp."""
-    from areal_bus.weights_cuda import load_handles
+    from areal_bus.weights.cuda import load_handles
 
     now = Path(path).stat().st_mtime_ns
     return now, (None if now == stamp else load_handles(path))
@@ -297,10 +297,10 @@ class WeightFeed:
         """``{"kind": "shm", "name": <weight set>}`` or ``{"kind": "cuda", "handles": <CudaWeightWriter.handles()>}``."""
         kind = source.get("kind")
         if kind == "shm":
-            from areal_bus.weights_shm import ShmWeightReader
+            from areal_bus.weights.shm import ShmWeightReader
             self.shm = ShmWeightReader(source["name"])
         elif kind == "cuda":
-            from areal_bus.weights_cuda import CudaWeightReader
+            from areal_bus.weights.cuda import CudaWeightReader
             handles = source["handles"]
             if self.cuda is not None:  # a restarted trainer exported new buffers: the old ones are gone
                 self.cuda.close()
@@ -491,7 +491,7 @@ class VllmRolloutEngine:
 def engine_from_topology(topo, worker: str, replica: int, base=None) -> VllmRolloutEngine:
     """The rollout node's vLLM engine: the topology's model and limits, fed with what the trainer
     publishes: shared-memory buffers, or CUDA buffers whose handles it leaves next to the ipc sockets."""
-    from areal_bus.weights_cuda import handles_path
+    from areal_bus.weights.cuda import handles_path
 
     cfg, model = topo.rollout_engine, topo.model
     path = topo.model_path(base)

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from areal_bus.messages import Completion
+from areal_bus.wire.messages import Completion
 
 EVAL_SEED_BASE = 2_000_000_000
 """Seeds at or above this are held-out instances; training draws seeds below it. Kept under 2**31 so

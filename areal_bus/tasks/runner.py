@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_bus.messages import GenerateRequest, Trajectory
+from areal_bus.wire.messages import GenerateRequest, Trajectory
 from areal_bus.tasks.driver import TaskDriver
 from areal_bus.tasks.guess import GuessTask
 
@@ -23,12 +23,12 @@ MAX_TOKENS_PER_TURN = GuessTask.max_tokens
 
 def load_tokenizer(model_path: str | Path):
     """The policy's tokenizer. A tokenizer without a chat template gets the project's ChatML one
-    (areal_bus.tokenizer.CHAT_TEMPLATE), so every task renders its turns the same way."""
+    (areal_bus.model.tokenizer.CHAT_TEMPLATE), so every task renders its turns the same way."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_path))
     if not getattr(tok, "chat_template", None):
-        from areal_bus.tokenizer import CHAT_TEMPLATE
+        from areal_bus.model.tokenizer import CHAT_TEMPLATE
 
         tok.chat_template = CHAT_TEMPLATE
     return tok

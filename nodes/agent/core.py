@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from areal_bus import messages as m
+from areal_bus.wire import messages as m
 from areal_bus.admission import Admission, Sources
 from areal_bus.constants import GROUP_WAIT_S, REISSUE_UNCLAIMED_S
 from areal_bus.episode import EpisodeRecord

@@ -16,11 +16,11 @@ import time
 
 import zmq
 
-from areal_bus import messages as m
-from areal_bus.channels import Receiver, ReliableSender, open_socket
+from areal_bus.wire import messages as m
+from areal_bus.wire.channels import Receiver, ReliableSender, open_socket
 from areal_bus.constants import POLL_MS, WORK_HWM
-from areal_bus.ledger import Ledger, ledger_path
-from areal_bus.node import NodeShell
+from areal_bus.runtime.ledger import Ledger, ledger_path
+from areal_bus.runtime.node import NodeShell
 from nodes.agent.core import EpisodeSource, make_driver
 
 RESEND_EVERY_S = 1.0

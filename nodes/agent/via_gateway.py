@@ -17,8 +17,8 @@ import asyncio
 import aiohttp
 import numpy as np
 
-from areal_bus import messages as m
-from areal_bus.node import NodeShell
+from areal_bus.wire import messages as m
+from areal_bus.runtime.node import NodeShell
 from areal_bus.tasks.driver import combine_reward
 
 MAX_GROUPS_IN_FLIGHT = 8

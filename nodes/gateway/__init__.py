@@ -1,7 +1,7 @@
 """Gateway node: the HTTP front door (OpenAI and Anthropic APIs) through which agents join training.
 
 ``app`` builds the aiohttp application (``make_app``) and serves the chat APIs (its config,
-``GatewayConfig``, is in areal_bus/node_configs.py with the topology's other node configs);
+``GatewayConfig``, is in areal_bus/config/node_configs.py with the topology's other node configs);
 ``policy_chat`` a chat request served by the policy; ``anthropic_api``, ``anthropic_reply`` and
 ``anthropic_routes`` the Anthropic Messages API in, out and its routes; ``live`` streaming as it
 generates; ``rl_routes`` the /rl session routes; ``server`` the HTTP plumbing (error middleware, ``start_server``); ``sessions``

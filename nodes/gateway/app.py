@@ -44,7 +44,7 @@ node calls it with each TrajAck). A Gateway made on an existing WAL resumes its 
 keep working) and, once serving, emits again every ended trajectory not yet settled.
 
 Here: the Gateway (keys and bodies, session lifecycle, the OpenAI chat and model routes) and ``make_app``;
-its config, ``GatewayConfig``, is in areal_bus/node_configs.py. The Gateway is put together from mixins,
+its config, ``GatewayConfig``, is in areal_bus/config/node_configs.py. The Gateway is put together from mixins,
 one module each: ``policy_chat.PolicyChat`` serves a chat request with the policy (prompt, generation,
 recording, choice post-processing, the response), ``anthropic_routes.AnthropicRoutes`` the Anthropic
 Messages routes, ``responses_routes.ResponsesRoutes`` the Responses route (through PolicyChat),
@@ -71,8 +71,8 @@ import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from areal_bus.metrics import Metrics
-from areal_bus.node_configs import GatewayConfig
+from areal_bus.runtime.metrics import Metrics
+from areal_bus.config.node_configs import GatewayConfig
 from nodes.gateway.anthropic_routes import AnthropicRoutes
 from nodes.gateway.backend import Backend
 from nodes.gateway.chat import ChatRenderer
@@ -231,7 +231,7 @@ class Gateway(PolicyChat, AnthropicRoutes, ResponsesRoutes, CompletionsRoutes, R
     def _emit(self, trajectories) -> None:
         import os
 
-        from areal_bus.ledger import LedgerWriteError
+        from areal_bus.runtime.ledger import LedgerWriteError
 
         pending, self.unemitted = [*self.unemitted, *trajectories], []
         for traj in pending:
@@ -398,7 +398,7 @@ def make_app(cfg: GatewayConfig, backend: Backend, tokenizer, *, router=None, em
     for a retry at the next sweep). admission: ``admission() -> (ticket | None, retry_after_s)``, consulted
     once per POST /rl/sessions (a ticket means the session is admitted, with that admission slot, which
     its requests carry; None means refused: a 429 with Retry-After). log: a structlog logger.
-    metrics: an ``areal_bus.metrics.Metrics`` for the gateway's counters (the node's, so that they ride
+    metrics: an ``areal_bus.runtime.metrics.Metrics`` for the gateway's counters (the node's, so that they ride
     on its heartbeats; a fresh one if None). wal: a ``wal.GatewayWAL`` that makes every 2xx durable
     (None: sessions and unacknowledged trajectories live in memory only).
     """

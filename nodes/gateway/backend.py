@@ -31,7 +31,7 @@ from typing import Protocol
 import numpy as np
 
 from areal_bus.engines.base import TokenStreams
-from areal_bus.messages import Completion, GenerateRequest
+from areal_bus.wire.messages import Completion, GenerateRequest
 
 ENGINE_IDLE_WAIT_S = 0.05
 """How long the engine thread blocks waiting for work when nothing is running. Short enough that

@@ -26,10 +26,10 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from areal_bus import messages as m
-from areal_bus.codec import DecodeError, Encoder, decode
-from areal_bus.node import LEAVING
-from areal_bus.security import secure
+from areal_bus.wire import messages as m
+from areal_bus.wire.codec import DecodeError, Encoder, decode
+from areal_bus.runtime.node import LEAVING
+from areal_bus.wire.security import secure
 from nodes.gateway.backend import SamplingParams
 
 REQUEST_DEADLINE_S = 120.0

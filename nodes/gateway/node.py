@@ -20,11 +20,11 @@ import time
 
 import zmq
 
-from areal_bus import messages as m
+from areal_bus.wire import messages as m
 from areal_bus.admission import Admission, Sources
-from areal_bus.channels import ReliableSender, open_socket
-from areal_bus.ledger import Ledger, ledger_path
-from areal_bus.node import NodeShell
+from areal_bus.wire.channels import ReliableSender, open_socket
+from areal_bus.runtime.ledger import Ledger, ledger_path
+from areal_bus.runtime.node import NodeShell
 from areal_bus.trajectory_check import check_trajectory, model_vocab_size, reason_code
 from areal_bus.version import PolicyVersion
 from nodes.gateway.app import GATEWAY, make_app, start_server

@@ -60,7 +60,7 @@ the time a batch of short completions takes to drain, so a retried request usual
 @dataclass(slots=True)
 class ChoiceOut:
     """One choice after the gateway's post-processing."""
-    completion: object  # areal_bus.messages.Completion, cut at a string stop
+    completion: object  # areal_bus.wire.messages.Completion, cut at a string stop
     message: dict
     finish_reason: str
     stop: str | None = None  # the stop string that ended it, if one did

@@ -26,7 +26,7 @@ from nodes.gateway.guard import ProtocolLog
 from nodes.gateway.openai_api import OpenAIError, error_body
 
 if TYPE_CHECKING:
-    from areal_bus.node_configs import GatewayConfig
+    from areal_bus.config.node_configs import GatewayConfig
 
 try:  # optional: a JSON codec several times faster than json's, on every response body
     import orjson

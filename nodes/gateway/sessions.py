@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from areal_bus.episode import EpisodeRecord
-from areal_bus.messages import Completion, Trajectory
+from areal_bus.wire.messages import Completion, Trajectory
 
 ENDED_REMEMBERED = 10_000
 """Ended sessions whose keys are still recognised, so a late request hears "this session ended"

@@ -58,7 +58,7 @@ async def serve(args, log) -> None:
     import torch
 
     from areal_bus.engines.torch_engine import TorchRolloutEngine
-    from areal_bus.node_configs import GatewayConfig
+    from areal_bus.config.node_configs import GatewayConfig
     from areal_bus.tasks.runner import load_tokenizer
     from nodes.gateway.app import bound_port, make_app, start_server
     from nodes.gateway.backend import LocalEngineBackend
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     if len(os.environ.get("AREAL_BUS_ADMIN_TOKEN", "")) < 8:
         print("standalone gateway: export AREAL_BUS_ADMIN_TOKEN (8+ characters) first", file=sys.stderr)
         return 2
-    from areal_bus.logs import setup_logging
+    from areal_bus.runtime.logs import setup_logging
 
     log = setup_logging("gateway", args.log_dir, node="gateway-standalone")
     import uvloop

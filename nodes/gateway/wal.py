@@ -38,9 +38,9 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
-from areal_bus.codec import DecodeError, Encoder, decode
-from areal_bus.messages import Completion, Trajectory
-from areal_bus.spool import pack, unpack
+from areal_bus.wire.codec import DecodeError, Encoder, decode
+from areal_bus.wire.messages import Completion, Trajectory
+from areal_bus.runtime.spool import pack, unpack
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (sid TEXT PRIMARY KEY, key_hash BLOB NOT NULL, ticket INTEGER NOT NULL,

@@ -22,10 +22,10 @@ from typing import Callable, Iterable, Literal, NamedTuple
 import numpy as np
 import structlog
 
-from areal_bus import messages as m
+from areal_bus.wire import messages as m
 from areal_bus.engines.base import RolloutEngine, TokenStreams
 from areal_bus.engines.rollout_factory import WeightsUnavailable
-from areal_bus.metrics import Metrics
+from areal_bus.runtime.metrics import Metrics
 from areal_bus.version import NONE, PolicyVersion
 
 

@@ -23,11 +23,11 @@ import time
 
 import zmq
 
-from areal_bus import messages as m
-from areal_bus.channels import Receiver, ReliableSender, open_socket
+from areal_bus.wire import messages as m
+from areal_bus.wire.channels import Receiver, ReliableSender, open_socket
 from areal_bus.constants import POLL_MS, ROLLOUT_DRAIN_S, WORK_HWM
 from areal_bus.engines.rollout_factory import make_engine
-from areal_bus.node import LEAVING, NodeShell
+from areal_bus.runtime.node import LEAVING, NodeShell
 from nodes.rollout.core import BatchSeries, Reply, RolloutCore, StepLog
 
 

@@ -8,7 +8,7 @@ the update on a compute thread; the engine (sim, torch, parallel torch) is
 ``areal_bus.engines.train_engine.build_train_engine``'s.
 
 Crash safety (``durability.spool``, on by default): a received trajectory is accepted only once
-committed to the spool (areal_bus/spool.py), and only then do producers forget it. Checkpoints carry
+committed to the spool (areal_bus/runtime/spool.py), and only then do producers forget it. Checkpoints carry
 the consumed ids and admission totals; rows leave the spool once a checkpoint on disk covers them. A
 trainer that supervisord restarts resumes from the run's newest checkpoint that verifies (a damaged
 one is passed over and logged as an error; the spool keeps rows until the checkpoint after the one
@@ -17,7 +17,7 @@ epoch (so agents count on, not over) and announces a new weight lineage (rollout
 with it). A trainer started by a new supervisord over an unfinished run refuses to start
 (``recovery.UnfinishedRun``) unless it resumes (``--resume``, or ``AREAL_BUS_RESUME=1`` in its
 environment: what ``areal-bus run --resume`` sets). Every accepted, trained and
-dropped id goes to ``logs/ledger/trainer-0.jsonl`` (areal_bus/ledger.py), which bench/chaos.py audits.
+dropped id goes to ``logs/ledger/trainer-0.jsonl`` (areal_bus/runtime/ledger.py), which bench/chaos.py audits.
 
 After max_steps updates (and the checkpoint due then) the trainer publishes the finished run state
 and exits 0; supervisord's run-end listener then stops the whole system.
@@ -30,13 +30,13 @@ from __future__ import annotations
 import os
 import time
 
-from areal_bus import messages as m
+from areal_bus.wire import messages as m
 from areal_bus.constants import HEARTBEAT_INTERVAL_S
 from areal_bus.engines.train_engine import build_train_engine
-from areal_bus.node import NodeShell
-from areal_bus.run import RESUME_ENV
-from areal_bus.runend import outcome_path, write_outcome
-from areal_bus.spool import Spool
+from areal_bus.runtime.node import NodeShell
+from areal_bus.launch.run import RESUME_ENV
+from areal_bus.launch.runend import outcome_path, write_outcome
+from areal_bus.runtime.spool import Spool
 from areal_bus.trajectory_check import reason_code
 from nodes.trainer.core import QUARANTINE_CODES, TrainerCore, TrainQueue
 from nodes.trainer.recovery import Start, UnfinishedRun, plan_start, resume_state, supervisor_instance, write_run_state

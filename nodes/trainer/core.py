@@ -62,11 +62,11 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from areal_bus import messages as m
+from areal_bus.wire import messages as m
 from areal_bus.admission import is_over_stale, staleness_of
 from areal_bus.constants import GROUP_WAIT_S, HEARTBEAT_INTERVAL_S, SEEN_IDS_MAX
-from areal_bus.metrics import Metrics
-from areal_bus.spool import Spool
+from areal_bus.runtime.metrics import Metrics
+from areal_bus.runtime.spool import Spool
 from areal_bus.trajectory_check import check_trajectory, reason_code
 from areal_bus.version import WEIGHTS_KIND, PolicyVersion
 from nodes.trainer.recovery import Start

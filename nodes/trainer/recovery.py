@@ -22,7 +22,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from areal_bus.spool import Spool
+from areal_bus.runtime.spool import Spool
 
 RUN_STATE = "run_state.json"
 """What the trainer adds to each checkpoint folder once the engine's save has returned: the run

@@ -17,12 +17,12 @@ import traceback
 
 import zmq
 
-from areal_bus import messages as m
-from areal_bus.channels import Receiver, open_socket
+from areal_bus.wire import messages as m
+from areal_bus.wire.channels import Receiver, open_socket
 from areal_bus.constants import POLL_MS
 from areal_bus.engines.train_engine import TrainEngine, WeightsBusy
-from areal_bus.ledger import Ledger, ledger_path
-from areal_bus.node import NodeShell
+from areal_bus.runtime.ledger import Ledger, ledger_path
+from areal_bus.runtime.node import NodeShell
 from nodes.trainer.core import Job, Out, TrainerCore
 from nodes.trainer.recovery import write_run_state
 
