@@ -62,6 +62,7 @@ def topology(mode: str, steps: int, scale: float, lead: str = "bound", group: in
     topo = json.loads(json.dumps(WORKLOAD))
     topo["name"] = f"bench-{mode}"
     topo["staleness"] = {"lead": lead, **POLICIES[policy]}
+    topo["experimental"] = lead != "bound" or policy == "per_token"  # lead adaptive, per_token: experimental
     if in_order:
         topo["staleness"]["in_order"] = True
     topo["agent"]["group_size"] = group

@@ -36,7 +36,7 @@ with ``--swap`` / ``--prefix`` the CUDA IPC weight swap and the 5-turn prefix-ca
 Needs torch, numpy and transformers (not pyzmq, pydantic or structlog); ``--vllm`` needs vLLM.
 
 Run:  python3 bench/engine.py                          (CUDA host: about 2 minutes)
-      python3 bench/engine.py --no-hf --vllm --swap --prefix     (+ vLLM; scripts/gpu_vllm.sh installs it)
+      python3 bench/engine.py --no-hf --vllm --swap --prefix     (+ vLLM; scripts/gpu-host/gpu_vllm.sh installs it)
       python3 bench/engine.py --no-hf --vllm --new 2048 --batches 256      (the long-output shape)
       python3 bench/engine.py --variants               (+ the other attentions, eager and gather rows)
       python3 bench/engine.py --no-hf --longtail --batches 256 --variants   (long-tailed lengths)

@@ -81,7 +81,7 @@ from nodes.gateway.bus_backend import BusBackend, NoWorker  # noqa: E402
 from nodes.gateway.chat import ChatRenderer  # noqa: E402
 
 AREAL_BUS = Path(sys.executable).parent / "areal-bus"
-if not AREAL_BUS.exists():  # a host without the venv (scripts/host_gateway.sh puts a launcher on PATH)
+if not AREAL_BUS.exists():  # a host without the venv (scripts/gpu-host/host_gateway.sh puts a launcher on PATH)
     AREAL_BUS = Path(shutil.which("areal-bus") or AREAL_BUS)
 MODEL = ROOT / "models" / "tiny-guess"
 MESSAGES = [{"role": "user", "content": "Guess the number: it is between 1 and 16."}]
@@ -166,10 +166,11 @@ class Stages:
         self.on = False
         self.row: dict[str, float] = {}
         self.rows: list[dict[str, float]] = []
-        gw.complete = self._timed("complete", gw.complete)
-        gw.renderer.prompt_ids = self._timed("template", gw.renderer.prompt_ids)
-        gw._postprocess = self._timed("decode", gw._postprocess)
-        gw.backend = _TimedBackend(gw.backend, self)
+        chat = gw.chat  # the policy chat service every chat route holds: timing it times them all
+        chat.complete = self._timed("complete", chat.complete)
+        chat.renderer.prompt_ids = self._timed("template", chat.renderer.prompt_ids)
+        chat.shaper.postprocess = self._timed("decode", chat.shaper.postprocess)
+        chat.backend = _TimedBackend(chat.backend, self)
 
         @web.middleware
         async def timed_handler(request, handler):  # the innermost middleware: times the route handler

@@ -26,7 +26,7 @@ rollout_engine.decode_compile off, ``ATTN+compile``, e.g. ``sync:::::sdpa+compil
 ratio is over the sync run with the same ATTN), ``async:2:true::::384`` for the rollout engine's max_batch
 (BATCH, default ``--rollout-batch``); an empty field takes its default;
 default: every --modes x --staleness x --drop-at-consume, sync once; sync runs first): DROP is
-``staleness.drop_at_consume`` (``true``, ``false``; README: Knobs) or ``per_token`` (the drop with
+``staleness.drop_at_consume`` (``true``, ``false``; docs/tuning.md) or ``per_token`` (the drop with
 ``staleness.per_token``: a sample's tokens past the bound masked, e.g. ``async:2:per_token``); a
 synchronous run has neither. Every async run's ratio
 is over the sync run of the same invocation. Samples/s and tokens/s (generated tokens) count what the
@@ -44,8 +44,8 @@ updates after the warm-up drain what rollout made while the first update compile
 faster than the run goes on (2026-12-06, staleness 2: 3.8-4.2x over updates 2-5, 2.76x over updates 5-10).
 
 Run:  python3 bench/gpu_e2e.py                    (on the GPU machine: guess at 0.5B, ~2-4 min)
-      bash scripts/gpu_headline.sh                (issue 15's table: longtail at 0.5B, both policies)
-      bash scripts/gpu_vllm.sh python3 bench/gpu_e2e.py --engine vllm      (vLLM installed by that script)
+      bash scripts/gpu-host/gpu_headline.sh                (issue 15's table: longtail at 0.5B, both policies)
+      bash scripts/gpu-host/gpu_vllm.sh python3 bench/gpu_e2e.py --engine vllm      (vLLM installed by that script)
       python3 bench/gpu_e2e.py --device cuda:0 --trainer-device cuda:1   (two GPUs: rollout and trainer apart)
       .venv/bin/python bench/gpu_e2e.py --shape tiny --device cpu --steps 4 --skip 1   (a CPU smoke run)
       .venv/bin/python bench/gpu_e2e.py --shape tiny --device cpu --workload longtail --batch 16 --steps 4 \\
@@ -188,20 +188,26 @@ def max_len_of(args) -> int:
     return args.prompt_len + TEMPLATE_TOKENS + args.max_len + 16
 
 
+def decode_step(run: Run) -> dict:
+    """The torch engine's decode-step knobs of a run (the other engines take none)."""
+    # auto: the system's default fusion (on a GPU); an explicit attention: off unless +compile
+    return {"decode_attention": run.attention.removesuffix("+compile"),
+            **({} if run.attention == "auto" else {"decode_compile": run.attention.endswith("+compile")})}
+
+
 def topology(model: Path, run: Run, args) -> dict:
     topo = yaml.safe_load((ROOT / "topology" / "default.yaml").read_text())
     topo.update(
         name=f"e2e-{run.name}", rollout_workers=1, max_steps=args.steps, staleness_threshold=run.staleness,
         staleness={"drop_at_consume": run.drop, "per_token": run.per_token and run.mode == "async", "lead": run.lead,
                    "in_order": run.in_order and run.mode == "async"},
+        experimental=(run.per_token and run.mode == "async") or run.lead != "bound",  # both experimental knobs
         queue_max_size=4 * args.batch, trigger_batch_size=args.trigger or args.batch // 2, global_batch_size=args.batch,
         mini_batch_size=args.batch // 2, logging={"log_dir": "logs", "log_interval": 5, "save_interval": 0},
         model={"path": str(model), "dtype": args.dtype, "device": args.device, "trainer_device": args.trainer_device,
                "threads": 1 if args.device == "cpu" else 4},
         rollout_engine={"kind": args.engine, "max_batch": run.rollout_batch or args.rollout_batch, "max_len": max_len_of(args),
-                        "temperature": 1.0, "decode_attention": run.attention.removesuffix("+compile"),
-                        # auto: the system's default fusion (on a GPU); an explicit attention: off unless +compile
-                        **({} if run.attention == "auto" else {"decode_compile": run.attention.endswith("+compile")}),
+                        "temperature": 1.0, **(decode_step(run) if args.engine == "torch" else {}),
                         **({"gpu_memory_utilization": args.gpu_memory_utilization} if args.engine == "vllm" else {})},
         trainer_engine={"kind": "torch", "eps_clip": 0.2, "behav_imp_weight_cap": 5.0, "eval_interval": 0},
         nodes={"bus": {}, "agent": {"replicas": args.agents}, "reward": {"replicas": 1}, "trainer": {}, "weights": {}},

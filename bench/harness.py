@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from areal_bus.launch.render import write_conf
-from areal_bus.launch.runend import OUTCOME
+from areal_bus.runtime.outcome import OUTCOME
 from areal_bus.config.topology import parse_topology
 
 

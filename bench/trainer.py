@@ -185,11 +185,11 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
     prox = "loglinear" if "loglinear" in flags else "recompute"
     # Today's schema's defaults under the fields set here, so a knob added to the engine later reads its
     # default instead of failing here (the old tree's engine reads the explicit ones).
-    from areal_bus.config.topology import StalenessConfig, TrainerEngineConfig
+    from areal_bus.config.topology import StalenessConfig, TorchTrainerEngineConfig
 
     return SimpleNamespace(
         is_async=False, staleness_threshold=2, staleness=SimpleNamespace(**StalenessConfig().model_dump()),
-        trainer_engine=SimpleNamespace(**{**TrainerEngineConfig().model_dump(), **dict(
+        trainer_engine=SimpleNamespace(**{**TorchTrainerEngineConfig().model_dump(), **dict(
             kl_coef=0.0, ppo_epochs=1, eps_clip=0.2, eps_clip_high=None, behav_imp_weight_cap=5.0, grad_clip=1.0,
             adv_std_normalize=True, adv_leave_one_out=False,
             attn_implementation=VARLEN_FA4 if {"fa4", "fa4whole"} & set(flags) else args.attn,
@@ -201,7 +201,7 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
                               seed=0, threads=1),
         rollout_engine=SimpleNamespace(temperature=1.0),
         trainer_device=str(device), learning_rate=1e-6, mini_batch_size=mini_batch, train_workers=1,
-        parallelism=SimpleNamespace(dp=1, tp=1, pp=1, cp=1, ep=1, reshard_after_forward=True))
+        parallelism=SimpleNamespace(dp=1, tp=1, reshard_after_forward=True))
 
 
 def padded(samples: list[dict]) -> dict[str, torch.Tensor]:

@@ -49,7 +49,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as tmp  # noqa: E402
 
-from areal_bus.engines.torch_parallel import ParallelTrainEngine, RankGroup, backend_for  # noqa: E402
+from areal_bus.engines.torch_dp import backend_for  # noqa: E402
+from areal_bus.engines.torch_parallel import ParallelTrainEngine, RankGroup  # noqa: E402
 from areal_bus.engines.torch_train import TorchTrainEngine  # noqa: E402
 from areal_bus.model.modeling import QWEN2_0_5B, TINY_QWEN2, make_random_model, save_pretrained  # noqa: E402
 
@@ -71,7 +72,7 @@ def bench_topology(args, dp: int, tp: int) -> SimpleNamespace:
         model=SimpleNamespace(device=args.device, dtype=args.dtype, seed=0, threads=1),
         rollout_engine=SimpleNamespace(temperature=1.0),
         trainer_device=args.device, learning_rate=args.lr, mini_batch_size=args.mini_batch, train_workers=dp * tp,
-        parallelism=SimpleNamespace(dp=dp, tp=tp, pp=1, cp=1, ep=1, reshard_after_forward=not args.keep_gathered))
+        parallelism=SimpleNamespace(dp=dp, tp=tp, reshard_after_forward=not args.keep_gathered))
 
 
 def make_batch(step: int, rows: int, seq: int, vocab: int) -> dict[str, torch.Tensor]:

@@ -5,20 +5,19 @@ pseudo-random score per episode, the same however often it is retried). Trajecto
 carry a reward (an agent that scored its own episode) pass through unchanged. The node keeps what it
 forwarded until the trainer acknowledges it, and resends if the trainer restarts.
 
-Two more sources are set in the reward node's own config (``nodes.reward.config`` in the topology,
-schema ``RewardNodeConfig`` in areal_bus/config/node_configs.py, checked by ``areal-bus validate`` with the
-router file it names), which, when it names a ``reward_source``, takes precedence over
-``agent.reward_source``:
+Two more sources, ``agent.reward_source: judge`` and ``reward_model``, take their settings from the
+reward node's own config (``nodes.reward.config`` in the topology, schema ``RewardNodeConfig`` in
+areal_bus/config/node_configs.py, checked by ``areal-bus validate`` with the router file it names):
 
+    agent:
+      reward_source: judge                   # an LLM judge through the model router
     nodes:
       reward:
         config:
-          reward_source: judge               # an LLM judge through the model router
           router_config: configs/router.yaml # its judge_model route; the key from ${AREAL_BUS_API_KEY}
           rubric: "..."                      # optional; {task} and {transcript} are filled in
           score_scale: 10                    # the judge scores 0..score_scale; reward = score / scale
-      # or
-          reward_source: reward_model        # a local Hugging Face sequence-classification checkpoint
+      # or, with agent.reward_source: reward_model (a local sequence-classification checkpoint)
           model_path: models/my-rm           # reward = sigmoid(logit)
           device: cpu
 
@@ -44,6 +43,8 @@ from areal_bus.wire.channels import Receiver, ReliableSender, open_socket
 from areal_bus.constants import POLL_MS
 from areal_bus.runtime.node import NodeShell
 from areal_bus.config.node_configs import DEFAULT_RUBRIC
+from areal_bus.tasks.plugins import make_driver
+from areal_bus.tasks.runner import verify
 
 
 class Scorer:
@@ -113,7 +114,7 @@ class Judge:
         return self.rubric.replace("{task}", task).replace("{transcript}", transcript)
 
     def __call__(self, traj: m.Trajectory) -> float:
-        from areal_bus.router import reply_text
+        from areal_bus.router import reply_text  # lazy: the router's HTTP client, for a judging node only
 
         reply = self.router.chat_sync(self.route, {"messages": [{"role": "user", "content": self.prompt(traj)}]})
         score = parse_score(reply_text(reply), self.scale)
@@ -152,18 +153,18 @@ class RewardModel:
 def _episode_text(topo, base) -> EpisodeText:
     if topo.agent.framework == "sim":
         return EpisodeText()
-    from areal_bus.tasks.runner import load_tokenizer
+    from areal_bus.tasks.runner import load_tokenizer  # lazy: transformers, only for a real task
 
     return EpisodeText(load_tokenizer(topo.model_path(base)))
 
 
 def make_scorer(topo, base=None, metrics=None, log=None) -> Scorer:
-    """The scorer for ``nodes.reward.config.reward_source``, else ``agent.reward_source``. ``metrics``
+    """The scorer for ``agent.reward_source`` (judge / reward_model: with nodes.reward.config). ``metrics``
     counts unparseable judge replies; ``log`` gets the router's per-request lines."""
     cfg = topo.reward_config()  # validated with the topology (areal_bus/config/node_configs.py)
     source = topo.reward_source()
     if source == "judge":
-        from areal_bus.router import ModelRouter, load_router_config
+        from areal_bus.router import ModelRouter, load_router_config  # lazy: see Judge.__call__
 
         router = ModelRouter(load_router_config(topo.resolve(cfg.router_config, base)), log=log)
         router.cfg.route(cfg.judge_model)  # an unknown route fails at start, not on the first episode
@@ -180,9 +181,6 @@ def _rule_scorer(topo, source: str, base=None) -> Scorer:
         return Scorer(source)
     # The task's driver replays the episode and scores it: the task's rule, or agent.reward_source's
     # function (package.module:function) when it names one (areal_bus/tasks/plugins.py).
-    from areal_bus.tasks.plugins import make_driver
-    from areal_bus.tasks.runner import verify
-
     driver = make_driver(topo, base)
     return Scorer(source, lambda traj: verify(driver, traj))
 

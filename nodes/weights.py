@@ -36,6 +36,7 @@ from areal_bus.wire.channels import Receiver, open_socket
 from areal_bus.constants import HEARTBEAT_INTERVAL_S, POLL_MS
 from areal_bus.runtime.node import NodeShell
 from areal_bus.version import NONE, PolicyVersion
+from areal_bus.engines.rollout_factory import relay_weight_set
 
 RELAY_RESEND_S = 10.0
 """A live relay that has not acked the current version this long after it was sent gets it again (it
@@ -96,6 +97,8 @@ class RelayLink:
         self.sending: PolicyVersion | None = None
 
     def start(self, ann: m.VersionAnnounce, now: float) -> None:
+        # lazy (here and in run_relay): the transfer reads shared memory through torch, which a
+        # broadcaster on one host never loads
         from areal_bus.weights.transfer import chunk_frames
 
         self.chunks = chunk_frames(ann.location, extra={"lineage": ann.lineage})
@@ -103,7 +106,7 @@ class RelayLink:
 
     def pump(self) -> bool:
         """Send what fits; True once the whole version is queued (or there is nothing to send)."""
-        from areal_bus.weights.shm import WeightShmError
+        from areal_bus.weights.shm import WeightShmError  # lazy: torch (see start)
 
         while self.chunks is not None:
             if self.pending is None:
@@ -202,8 +205,7 @@ def run(topo, replica: int = 0, base=None) -> int:
 def run_relay(topo, replica: int, base=None) -> int:
     """A far host's relay (see the module docstring): versions in over the network, into this host's
     shared memory, acked on the hub."""
-    from areal_bus.engines.rollout_factory import relay_weight_set
-    from areal_bus.weights.shm import WeightShmError
+    from areal_bus.weights.shm import WeightShmError  # lazy: torch (see Sender.start)
     from areal_bus.weights.transfer import ChunkAssembler
 
     host = placement.relay_host(topo, replica)

@@ -5,6 +5,7 @@
 # exits non-zero with a one-line reason (the node and its log) when a node cannot run: so does this.
 # Logs land in logs/ (train.log, rollout.log, ..., run_outcome.json); the curves in logs/reward.png and
 # logs/loss.png.
+# Run (from anywhere):  bash scripts/run_default.sh        (the README's first command)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

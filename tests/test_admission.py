@@ -361,7 +361,7 @@ def test_an_agents_admission_follows_the_trainers_ready_count_with_lead_adaptive
     from nodes.agent import EpisodeSource
 
     topo = parse_topology({"async": {"enabled": True}, "global_batch_size": 64, "trigger_batch_size": 32,
-                           "staleness_threshold": 2, "staleness": {"lead": "adaptive"}})
+                           "staleness_threshold": 2, "staleness": {"lead": "adaptive"}, "experimental": True})
     src = EpisodeSource(topo, replica=0, replicas=1)
     assert src.admission.adaptive and src.admission.lead == 2
     for v in range(1, 5):

@@ -1,5 +1,5 @@
-"""bench/learning.py --combine: the seeds' summary read back from saved pairs of runs (the SmolLM2 records
-of bench/runs/smollm2-20261204, as bench/RESULTS.md quotes them), run as a script."""
+"""bench/learning.py --combine: the seeds' summary read back from saved pairs of runs (five SmolLM2 records
+of 2026-12-04, kept in tests/learning_runs/, as bench/RESULTS.md quotes them), run as a script."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNS = ROOT / "bench" / "runs" / "smollm2-20261204"
+RUNS = ROOT / "tests" / "learning_runs"
 
 
 def test_combine_prints_each_seeds_gap_at_equal_samples_and_the_standard_error_of_their_mean(tmp_path):

@@ -14,7 +14,7 @@ import zmq
 from areal_bus.wire.codec import Encoder, decode
 from areal_bus.engines.sim import SimRolloutEngine
 from areal_bus.runtime.metrics import Metrics
-from areal_bus.config.topology import LengthDistribution, RolloutEngineConfig
+from areal_bus.config.topology import LengthDistribution, SimRolloutEngineConfig
 from nodes.gateway.backend import SamplingParams
 from nodes.gateway.bus_backend import BusBackend, NoWorker
 
@@ -29,7 +29,7 @@ class Worker(threading.Thread):
         self.sock.linger = 0
         self.sock.connect(endpoint)
         self.node_id, self.answer = node_id, answer
-        self.engine = SimRolloutEngine(RolloutEngineConfig(decode_step_s=0.0, output_len=LengthDistribution(
+        self.engine = SimRolloutEngine(SimRolloutEngineConfig(decode_step_s=0.0, output_len=LengthDistribution(
             dist="fixed", min=1, max=3)), node_id)
         self.seen: list[str] = []
         self.stop = threading.Event()

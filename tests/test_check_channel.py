@@ -2,7 +2,7 @@
 key) against the stand-in upstream and a closed port; and the agent-side ``check_gateway``.
 
 Every failure must be exactly one line, ``check-channel: <what failed>: <fix>``, with exit code 1.
-The shipped ``configs/router.yaml`` is also run, as the README says, against a real gateway (the
+The shipped ``configs/router.yaml`` is also run, as docs/gateway.md says, against a real gateway (the
 standalone one, serving the shipped tiny policy).
 
 Run: .venv/bin/pytest tests/test_check_channel.py -q
@@ -125,7 +125,7 @@ def test_the_shipped_router_config_names_the_default_gateways_address_and_policy
 
 @pytest.mark.timeout(180)
 def test_the_shipped_router_config_gets_a_reply_from_a_real_gateway_with_the_readmes_key(tmp_path):
-    """The README's check: the gateway's admin token exported as AREAL_BUS_API_KEY, then
+    """docs/gateway.md's check: the gateway's admin token exported as AREAL_BUS_API_KEY, then
     `areal-bus check-channel --config configs/router.yaml --model policy_model` (the gateway on a free
     port here, given as AREAL_BUS_GATEWAY_PORT): a reply from the policy, no 404."""
     token = secrets.token_hex(16)

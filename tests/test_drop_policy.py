@@ -21,6 +21,7 @@ def _core(drop: bool | None, version: int = 3, per_token: bool = False) -> Train
             "trainer_engine": {"kind": "sim"}}
     if drop is not None:
         data["staleness"] = {"drop_at_consume": drop, "per_token": per_token}
+        data["experimental"] = per_token  # staleness.per_token is experimental: the topology opts in
     return TrainerCore(parse_topology(data), Start("epoch-1", version=version), None, incarnation="inc-1",
                        lineage="001-a")
 
@@ -110,7 +111,7 @@ def test_the_run_state_after_an_update_says_how_many_samples_wait_and_lead_is_a_
     (state,) = [msg for _, msg in trained.publish if isinstance(msg, m.RunState)]
     assert (state.ready, state.consumed) == (1, 4)
     assert parse_topology({}).staleness.lead == "bound"
-    assert parse_topology({"staleness": {"lead": "adaptive"}}).staleness.lead == "adaptive"
+    assert parse_topology({"experimental": True, "staleness": {"lead": "adaptive"}}).staleness.lead == "adaptive"
     with pytest.raises(TopologyError, match=r"staleness\.lead"):
         parse_topology({"staleness": {"lead": "sometimes"}}, "t.yaml")
 

@@ -1,4 +1,4 @@
-"""Every request field is honoured or refused (issue 16 item 3; the README's field table): the stock
+"""Every request field is honoured or refused (issue 16 item 3; docs/gateway.md's field table): the stock
 openai and anthropic SDKs against the real gateway on loopback, the policy a scripted backend that
 replies with exactly the token ids it is told (the shipped tiny model's tokenizer, whose template
 ignores tools, so the gateway describes them in Hermes' format and reads Hermes calls back).

@@ -154,7 +154,7 @@ def test_a_full_queue_answers_429_with_retry_after_instead_of_growing(gateway):
 
     def watch():  # the gateway's count of generations pending, as often as it can be read
         while watching:
-            seen.append(gw.gateway.pending)
+            seen.append(gw.gateway.pending.count)
             time.sleep(0.001)
     watcher = threading.Thread(target=watch)
     watcher.start()

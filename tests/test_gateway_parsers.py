@@ -265,7 +265,7 @@ def test_a_random_family_model_streams_its_unstreamed_reply_and_records_exactly_
     assert calls_of(deltas) == calls_of(whole.message.tool_calls)
     for s in (a, b):
         gw.post(f"/rl/sessions/{s['session_id']}/end")
-    forced = ChatRenderer(tok).encode(gw.gateway.formats.tools.forced_prefix("get_weather"))
+    forced = ChatRenderer(tok).encode(gw.gateway.chat.shaper.formats.tools.forced_prefix("get_weather"))
     (p1, c1), (p2, c2) = backend.history
     assert p1.tolist() == p2.tolist() and c1.output_ids.tolist() == c2.output_ids.tolist()  # greedy: one path
     for t in gw.emitted:

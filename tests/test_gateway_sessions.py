@@ -296,7 +296,7 @@ def test_a_cancelled_request_handler_still_records_its_turn(gateway):
     s = gw.open_session()
     session = gw.call(lambda: gw.gateway.store.get(s["session_id"]))
     req = parse_chat_request({"model": POLICY, "messages": [{"role": "user", "content": GAME}]})
-    handler = asyncio.run_coroutine_threadsafe(gw.gateway.complete(req, session, time.monotonic()), gw.loop)
+    handler = asyncio.run_coroutine_threadsafe(gw.gateway.chat.complete(req, session, time.monotonic()), gw.loop)
     time.sleep(0.1)
     handler.cancel()
     with pytest.raises(concurrent.futures.CancelledError):

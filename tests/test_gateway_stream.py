@@ -44,7 +44,7 @@ def _byte_decode(ids) -> str:  # a byte-level tokenizer: one id per UTF-8 byte, 
 
 
 def _final(text: str, stops: list[str], tools: bool) -> str | None:
-    """The content the gateway returns for ``text`` (as Gateway._postprocess makes it)."""
+    """The content the gateway returns for ``text`` (as Shaper.postprocess makes it)."""
     hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     if hits:
         text = text[:min(hits)]

@@ -35,8 +35,10 @@ def _run(model_dir, tmp_path, trajs, resume=None, **layout):
     """(stats, full weights, checkpoint folder) after one update of ``trajs``: one process when
     ``layout`` is empty, else dp x tp ranks. ``resume``: start from this checkpoint (weights and
     optimizer) as the trainer node does."""
+    # dp x tp written as the topology writes it: train_workers ranks, tp the layout inside them
+    ranks = {"train_workers": layout.get("dp", 1) * layout.get("tp", 1), "parallelism": {"tp": layout.get("tp", 1)}}
     topo = _topo(model_dir, mini_batch_size=2, trainer_engine={"kind": "torch", "grad_clip": GRAD_CLIP},
-                 **({"parallelism": layout} if layout else {}))
+                 **(ranks if layout else {}))
     start_from = resume or model_dir
     tmp_path.mkdir(parents=True, exist_ok=True)
     name = "_".join(f"{k}{v}" for k, v in layout.items()) or "single"
@@ -123,26 +125,31 @@ def test_pipeline_context_and_expert_parallel_are_refused_naming_what_is_support
     with pytest.raises(TopologyError) as err:
         parse_topology({"parallelism": {field: 2}})
     msg = str(err.value)
-    assert f"parallelism: Value error, {field}=2 not supported" in msg
-    assert "dp (data parallel, FSDP2) and tp (tensor parallel, DTensor)" in msg
+    assert f"parallelism: Value error, parallelism.{field}: the trainer supports" in msg
+    assert "dp (data parallel, FSDP2: train_workers / tp) and tp (tensor parallel, DTensor) only" in msg
 
 
-def test_train_workers_that_disagree_with_dp_times_tp_are_refused():
-    with pytest.raises(TopologyError, match=r"train_workers \(3\) and parallelism dp x tp \(2 x 2 = 4\) disagree"):
-        parse_topology({"train_workers": 3, "parallelism": {"dp": 2, "tp": 2}})
+def test_a_tp_that_does_not_divide_train_workers_is_refused():
+    with pytest.raises(TopologyError, match=r"train_workers \(3\) must be a multiple of parallelism.tp \(2\)"):
+        parse_topology({"train_workers": 3, "parallelism": {"tp": 2}})
 
 
-def test_train_workers_alone_is_data_parallel_and_the_block_alone_sets_the_ranks():
+def test_dp_is_derived_and_writing_it_names_the_fix():
+    with pytest.raises(TopologyError, match=r"parallelism.dp is not written.*train_workers: 4, parallelism: \{tp: 2\}"):
+        parse_topology({"parallelism": {"dp": 2, "tp": 2}})
+
+
+def test_train_workers_alone_is_data_parallel_and_tp_splits_them():
     alone = parse_topology({"train_workers": 2})
     assert (alone.parallelism.dp, alone.parallelism.tp) == (2, 1)
-    block = parse_topology({"parallelism": {"dp": 2, "tp": 2}})
-    assert block.train_workers == 4
+    block = parse_topology({"train_workers": 4, "parallelism": {"tp": 2}})
+    assert (block.parallelism.dp, block.parallelism.tp) == (2, 2)
     # The resolved topology the other ranks read parses back to the same layout.
     again = parse_topology(dump_resolved(block))
     assert (again.train_workers, again.parallelism.dp, again.parallelism.tp) == (4, 2, 2)
 
 
 def test_a_tp_the_model_cannot_split_is_refused_before_any_rank_starts(model_dir, tmp_path):
-    topo = _topo(model_dir, parallelism={"tp": 4})  # the tiny model has 4 query heads but 2 kv heads
+    topo = _topo(model_dir, train_workers=4, parallelism={"tp": 4})  # the tiny model: 4 query heads, 2 kv heads
     with pytest.raises(ValueError, match=r"tp=4 does not divide num_key_value_heads \(2\).*supports: 1, 2"):
         torch_parallel.start(topo, tmp_path / "unused.json", model_dir)

@@ -1,5 +1,5 @@
-"""Your own task, data and reward, as the README's section shows it: its YAML and Python blocks are
-taken from README.md as written, a jsonl goes in tmp_path, `areal-bus validate` checks them, and
+"""Your own task, data and reward, as docs/own-task.md's section shows it: its YAML and Python blocks
+are taken from docs/own-task.md as written, a jsonl goes in tmp_path, `areal-bus validate` checks them, and
 episodes go through the agent's EpisodeSource on the tiny model's torch engine, the reward node's
 Scorer and the trainer's update and held-out evaluation. Bad plug-in paths and signatures are one
 validation error naming the field."""
@@ -24,8 +24,8 @@ SECTION = "## Your own task, data and reward"
 
 
 def readme_blocks() -> tuple[str, list[str]]:
-    """(the YAML block, the Python blocks) of the README's section, as written."""
-    text = (ROOT / "README.md").read_text()
+    """(the YAML block, the Python blocks) of docs/own-task.md's section, as written."""
+    text = (ROOT / "docs" / "own-task.md").read_text()
     section = text[text.index(SECTION):]
     section = section[:section.index("\n## ", len(SECTION))]
     blocks = re.findall(r"```(\w+)\n(.*?)```", section, re.S)
@@ -34,8 +34,8 @@ def readme_blocks() -> tuple[str, list[str]]:
 
 @pytest.fixture
 def user_folder(tmp_path, monkeypatch):
-    """A folder as a user would have it: problems.jsonl, my_reward.py, my_task.py (from the README),
-    and a topology (the default's, with the README's agent section)."""
+    """A folder as a user would have it: problems.jsonl, my_reward.py, my_task.py (from the doc),
+    and a topology (the default's, with the doc's agent section)."""
     agent_yaml, (reward_py, task_py) = readme_blocks()
     train, _ = arith.generate(40, 0, seed=5)
     arith.write_jsonl(train, tmp_path / "problems.jsonl")
@@ -44,7 +44,7 @@ def user_folder(tmp_path, monkeypatch):
     topo = yaml.safe_load((ROOT / "topology" / "default.yaml").read_text())
     topo.update(yaml.safe_load(agent_yaml))
     topo["model"]["path"] = str(TINY)
-    topo["nodes"].pop("gateway")  # the README's agent plays over the bus
+    topo["nodes"].pop("gateway")  # the doc's agent plays over the bus
     topo["trainer_engine"].update(eval_interval=1, eval_episodes=8)
     topo.update(rollout_workers=1, staleness_threshold=0, trigger_batch_size=8, global_batch_size=8,
                 mini_batch_size=8)  # admission lets exactly 8 episodes (2 groups) start
@@ -211,7 +211,7 @@ def test_the_cli_prints_a_bad_plugin_as_one_line_without_a_traceback(user_folder
 
 
 @pytest.mark.parametrize("field, value", [("framework", "my_task.Echo"), ("framework", "chess"),
-                                          ("reward_source", "my reward:score"), ("reward_source", "judge")])
+                                          ("reward_source", "my reward:score"), ("reward_source", "jugde")])
 def test_a_malformed_plugin_path_is_refused_by_the_schema(field, value):
     from areal_bus.config.topology import TopologyError, parse_topology
 

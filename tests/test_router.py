@@ -338,7 +338,11 @@ def _trajectory(make_traj=None):
 def _reward_topology(tmp_path, config: dict):
     from areal_bus.config.topology import parse_topology
 
-    return parse_topology({"nodes": {"reward": {"config": config}}, "logging": {"log_dir": str(tmp_path)}})
+    # the source is agent.reward_source (one place); the judge's or reward model's settings stay with the node
+    config = dict(config)
+    agent = {"reward_source": config.pop("reward_source")}
+    return parse_topology({"agent": agent, "nodes": {"reward": {"config": config}},
+                           "logging": {"log_dir": str(tmp_path)}})
 
 
 def test_judge_source_scores_through_the_router_with_the_rubric(upstream, key_env, tmp_path):

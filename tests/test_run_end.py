@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from areal_bus.launch.run import StepTail, archive_previous, plain_line, summary
-from areal_bus.launch.runend import (CRASH_LIMIT, CRASH_WINDOW_S, EVENTS, START_TRIES, RunWatch, describe, last_error,
-                              outcome_path)
+from areal_bus.launch.runend import CRASH_LIMIT, CRASH_WINDOW_S, EVENTS, START_TRIES, RunWatch, describe, last_error
+from areal_bus.runtime.outcome import outcome_path
 from bench.harness import check_outcome
 from tests.test_system import ENV, REPO, VENV_BIN, System
 

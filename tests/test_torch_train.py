@@ -342,8 +342,8 @@ def test_loglinear_proximal_makes_the_recomputed_update_on_fresh_samples_with_on
     trajs = _episodes(model_dir)
     runs, forwards = [], []
     for method in ("recompute", "loglinear"):
-        engine = TorchTrainEngine(_topo(model_dir, trainer_engine={"kind": "torch", "prox_logp_method": method}),
-                                  model_dir)
+        engine = TorchTrainEngine(_topo(model_dir, trainer_engine={"kind": "torch", "prox_logp_method": method},
+                                        experimental=True), model_dir)  # loglinear is experimental
         calls = []
         engine.run.register_forward_pre_hook(lambda *_: calls.append(1))
         runs.append(_trained(engine, trajs))
@@ -378,7 +378,8 @@ def test_per_token_bound_masks_the_tokens_over_it_and_trains_the_rest(model_dir)
         n = t.versions.size
         t.versions = np.where(np.arange(n) < n // 2, 1, 3).astype(np.int32)  # first half two versions behind
         aged.append(t)
-    bounded = {"staleness_threshold": 1, "staleness": {"drop_at_consume": True, "per_token": True}}
+    bounded = {"staleness_threshold": 1, "staleness": {"drop_at_consume": True, "per_token": True},
+               "experimental": True}  # staleness.per_token is experimental
     runs = {}
     for name, over, trajs in (("per_token", bounded, aged), ("whole", {"staleness_threshold": 1}, aged)):
         engine = TorchTrainEngine(_topo(model_dir, learning_rate=1e-3, **over), model_dir)

@@ -4,7 +4,7 @@ over-stale samples are dropped and counted, and batches form oldest-first once e
 
 from __future__ import annotations
 
-from nodes.trainer.core import TrainQueue
+from nodes.trainer.queue import TrainQueue
 
 
 def _queue(capacity=64, trigger=2, max_batch=4, staleness=2, exact=False):

@@ -77,8 +77,8 @@ def test_a_bad_reward_config_is_named_with_its_path(run_in):
 
 
 def test_a_reward_model_source_without_its_checkpoint_is_refused(run_in):
-    status, err = run_in("nodes:\n  reward:\n    config: {reward_source: reward_model}\n")
-    assert status == 2 and "nodes.reward.config: Value error, reward_source reward_model needs model_path" in err
+    status, err = run_in("agent: {reward_source: reward_model}\n")
+    assert status == 2 and "agent.reward_source reward_model needs nodes.reward.config.model_path" in err
 
 
 def test_a_node_kind_without_settings_refuses_any(run_in):
@@ -103,7 +103,7 @@ def test_a_missing_router_file_is_named(run_in, tmp_path):
 
 def test_a_judge_without_its_route_in_the_router_file_is_refused(run_in):
     router = router_yaml("http://127.0.0.1:9/v1", route="reward_model")
-    status, err = run_in("nodes:\n  reward:\n    config: {reward_source: judge, router_config: r.yaml}\n",
+    status, err = run_in("agent: {reward_source: judge}\nnodes:\n  reward:\n    config: {router_config: r.yaml}\n",
                          **{"r.yaml": router})
     assert status == 2
     assert "nodes.reward.config.router_config: no route for judge_model: add model_routing.judge_model" in err
@@ -112,7 +112,7 @@ def test_a_judge_without_its_route_in_the_router_file_is_refused(run_in):
 
 def test_a_good_router_file_validates_and_an_unset_key_variable_is_named(run_in, monkeypatch):
     monkeypatch.delenv(KEY_ENV, raising=False)
-    status, err = run_in("nodes:\n  reward:\n    config: {reward_source: judge, router_config: r.yaml}\n",
+    status, err = run_in("agent: {reward_source: judge}\nnodes:\n  reward:\n    config: {router_config: r.yaml}\n",
                          **{"r.yaml": router_yaml("http://127.0.0.1:9/v1")})
     assert status == 0
     assert f"${KEY_ENV} is not set in this shell" in err and f"export {KEY_ENV}=<key>" in err
@@ -199,7 +199,7 @@ def test_checking_a_sim_topologys_files_does_not_import_torch(tmp_path):
     # name then missed the peers' 2 s liveness window (tests/test_gateway_restart.py).
     (tmp_path / "t.yaml").write_text(yaml.safe_dump({
         "model": {"path": str(MODEL)},
-        "rollout_engine": {"kind": "sim"}, "trainer_engine": {"kind": "sim", "eval_interval": 5},
+        "rollout_engine": {"kind": "sim"}, "trainer_engine": {"kind": "sim"},
         # the gateway needs the model (its tokenizer), so the model's files are checked
         "nodes": {"bus": {}, "trainer": {}, "gateway": {"config": {"admin_token": "validate-test-admin-token"}}}}))
     code = ("import sys\nfrom areal_bus.launch.cli import _load\n_load(sys.argv[1])\n"

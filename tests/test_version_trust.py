@@ -28,7 +28,7 @@ from areal_bus.wire.codec import Encoder, pack_topic
 from areal_bus.constants import LINEAGE_WAIT_S
 from areal_bus.engines.sim import SimRolloutEngine
 from areal_bus.runtime.node import NodeShell
-from areal_bus.config.topology import RolloutEngineConfig, load_topology
+from areal_bus.config.topology import SimRolloutEngineConfig, load_topology
 from areal_bus.version import PolicyVersion, VersionTrust
 from nodes.rollout.core import RolloutCore, StepLog
 
@@ -127,7 +127,7 @@ class _Worker:
 
     def __init__(self, topo, base: Path):
         self.shell = NodeShell(topo, "rollout", 0, base=base, topics=(m.TOPIC_VERSION,), own_policy=True, echo=False)
-        self.core = RolloutCore(SimRolloutEngine(RolloutEngineConfig(), "rollout-0"), "rollout-0", 1, StepLog(topo),
+        self.core = RolloutCore(SimRolloutEngine(SimRolloutEngineConfig(), "rollout-0"), "rollout-0", 1, StepLog(topo),
                                 metrics=self.shell.metrics, log=self.shell.log)
 
     def turn(self) -> None:

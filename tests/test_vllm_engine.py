@@ -1,7 +1,7 @@
 """The vLLM rollout engine: every part that does not need vLLM is tested here with plain data (vLLM's
 outputs are reproduced as dataclasses of the same shape: what is tested is our conversion code); the
 tests that drive vLLM itself (marked gpu) skip, with the reason, where vLLM or a GPU is absent: CI's
-machines. They run on the GPU host with vLLM 0.25.1 from scripts/gpu_vllm.sh (the README's "On a GPU";
+machines. They run on the GPU host with vLLM 0.25.1 from scripts/gpu-host/gpu_vllm.sh (docs/gpus.md;
 results in bench/RESULTS.md). They share one engine (a vLLM start is ~30 s) and run in file order: the
 logprob test first, on the checkpoint's own weights, then the tests that swap weights in."""
 

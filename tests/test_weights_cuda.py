@@ -15,7 +15,7 @@ from areal_bus.weights.cuda import (
     BufferBusy, CudaWeightReader, CudaWeightWriter, HANDLE_FIELDS, check_handle, handle_args,
     handle_to_dict, make_location, parse_location,
 )
-from areal_bus.weights.shm import ALIGN
+from areal_bus.weights.layout import ALIGN
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
 

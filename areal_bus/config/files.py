@@ -67,7 +67,7 @@ def _check_decoder(topo: Topology, path: Path) -> list[str]:
         ("rollout_engine.kind 'torch'", "roll out with rollout_engine.kind 'vllm' (on a GPU)",
          topo.rollout_engine.kind == "torch"),
         ("trainer_engine.eval_interval > 0", "set trainer_engine.eval_interval: 0",
-         topo.trainer_engine.eval_interval > 0),
+         topo.trainer_engine.kind == "torch" and topo.trainer_engine.eval_interval > 0),
     ) if used]
     if not uses or topo.rollout_engine.kind == "sim":
         return []

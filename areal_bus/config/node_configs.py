@@ -41,35 +41,30 @@ class GatewayConfig(_Strict):
                       "The agent node (agent.via: gateway) connects here too.")
     port: int = Field(9000, ge=0, le=65535, description="TCP port; 0 picks a free one (tests).")
     admin_token: str | None = Field(None, min_length=8, description="Token for opening sessions and for "
-                                    "unrecorded calls. Write ${AREAL_BUS_ADMIN_TOKEN} in the topology, never a "
-                                    "literal. Empty or unset: the topology validates, but the gateway (and an "
-                                    "agent that plays through it) refuses to start. A secret: the resolved "
-                                    f"config a node dumps shows {REDACTED!r} instead.",
-                                    json_schema_extra={SECRET: True})
+                                    "unrecorded calls: write ${AREAL_BUS_ADMIN_TOKEN}, never a literal. Unset, "
+                                    "the topology validates but the gateway refuses to start (a secret: dumps "
+                                    f"show {REDACTED!r}).", json_schema_extra={SECRET: True})
     policy_model: str = Field("policy", min_length=1, description="The model id agents send for the policy "
                               "being trained; any other id goes to the router (or is a 404).")
     router_config: str | None = Field(None, min_length=1, description="The model router's YAML "
-                                      "(areal_bus/router.py: RouterConfig), relative to the supervisord.conf's "
-                                      "folder: requests for models other than policy_model go through it. None: "
-                                      "no router (other models are a 404). Checked by `areal-bus validate`.")
+                                      "(areal_bus/router.py), relative to the supervisord.conf's folder: requests "
+                                      "for models other than policy_model go through it. None: they are a 404.")
     max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="Largest request body; larger is a 413.")
     max_sessions: int = Field(1000, ge=1, le=1_000_000, description="Open sessions at most; past it "
                               "POST /rl/sessions is a 429 until some end or expire.")
     session_idle_timeout_s: float = Field(300.0, gt=0, le=7 * 86400, description="A session with no request "
                                           "for this long is ended (its trajectory emitted as it stands).")
-    max_context_tokens: int | None = Field(None, ge=2, description="Prompt + output tokens per sequence. In a "
-                                           "topology, left unset, it is rollout_engine.max_len. None (no "
-                                           "topology): ask the backend (max_context_tokens).")
+    max_context_tokens: int | None = Field(None, ge=2, description="Prompt + output tokens per sequence; in a "
+                                           "topology, left unset, rollout_engine.max_len (without one: asked of "
+                                           "the backend).")
     default_max_tokens: int | None = Field(None, ge=1, description="Completion budget when a request names "
                                            "none. None: the rest of the context, as OpenAI's API does.")
-    max_pending_requests: int = Field(2048, ge=1, le=1_000_000, description="Policy generations (choices) "
-                                      "waiting on or running in the backend at most; past it a chat request is a "
-                                      "429 with Retry-After instead of a queue that grows with the load.")
-    wal: bool = Field(True, description="Keep open sessions (every recorded turn and reward) and ended "
-                      "sessions' trajectories in a local SQLite WAL (<log_dir>/spool/<node>.wal.sqlite) until the "
-                      "trainer acknowledges them, committed before each reply: a 2xx survives a kill -9 of the "
-                      "gateway, and a restarted gateway resumes its sessions (their keys keep working). false: in "
-                      "memory only, lost with the process.")
+    max_pending_requests: int = Field(2048, ge=1, le=1_000_000, description="Policy generations waiting on or "
+                                      "running in the backend at most; past it a chat request is a 429 with "
+                                      "Retry-After.")
+    wal: bool = Field(True, description="Keep open sessions and ended sessions' trajectories in a local SQLite "
+                      "WAL until the trainer acknowledges them: a 2xx survives a kill -9, and a restarted gateway "
+                      "resumes its sessions. false: in memory only.")
     wal_fsync: bool = Field(False, description="Flush the disk at every WAL commit (SQLite synchronous=FULL): "
                             "survives power loss too, at a flush per reply. false survives any process crash.")
     header_timeout_s: float = Field(HTTP_HEADER_TIMEOUT_S, gt=0, le=3600, description="A request line and "
@@ -79,8 +74,8 @@ class GatewayConfig(_Strict):
                                   "complete this long after its headers is a 408, and the connection closes.")
     tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
         "auto", description="How the policy's tool calls are written and parsed (nodes/gateway/parsers.py): "
-        "hermes (Qwen2.5/Qwen3 <tool_call> blocks), llama3_json (Llama 3.x {\"name\", \"parameters\"} JSON), "
-        "mistral ([TOOL_CALLS] [...]). auto: read from the chat template (hermes when it names none).")
+        "hermes (Qwen2.5/Qwen3), llama3_json (Llama 3.x) or mistral. auto: read from the chat template (hermes "
+        "when it names none).")
     reasoning_parser: Literal["auto", "think", "none"] = Field(
         "auto", description="think: the reply's <think>...</think> text is reasoning (OpenAI reasoning_content, "
         "Anthropic thinking blocks), the rest content; none: all of it is content. auto: think when the chat "
@@ -119,8 +114,8 @@ class ProbeConfig(_Strict):
     enabled: bool = Field(True, description="Serve the Prometheus exposition; false: the probe only logs.")
     metrics_host: str = Field("127.0.0.1", min_length=1, description="Address the endpoint listens on; loopback "
                               "by default (0.0.0.0 lets any host that reaches this one scrape the run's metrics).")
-    metrics_port: int = Field(9400, ge=0, le=65535, description="TCP port; replica N listens on metrics_port + N. "
-                              "0 picks a free one. The bound address is written to log_dir/probe-<N>.metrics_url.")
+    metrics_port: int = Field(9400, ge=0, le=65535, description="TCP port; replica N listens on metrics_port + N "
+                              "(0: a free one, written to log_dir/probe-<N>.metrics_url).")
 
 
 DEFAULT_RUBRIC = """You are grading one episode of an AI agent working on a task.
@@ -136,11 +131,9 @@ Score 0-10: 10 means the task was fully solved, 0 means no progress. Reply with 
 
 
 class RewardNodeConfig(_Strict):
-    """``nodes.reward.config``: how the reward node scores, when it is not the task's rule."""
+    """``nodes.reward.config``: the judge or reward model the reward node scores with when
+    ``agent.reward_source`` is 'judge' or 'reward_model' (the source itself is written there only)."""
 
-    reward_source: Literal["rule", "passthrough", "judge", "reward_model"] | None = Field(
-        None, description="Overrides agent.reward_source. judge: an LLM judge through the router; "
-        "reward_model: a local sequence-classification checkpoint.")
     router_config: str = Field("configs/router.yaml", min_length=1, description="judge: the router YAML "
                                "(relative to the supervisord.conf's folder). Checked by `areal-bus validate`.")
     judge_model: str = Field("judge_model", min_length=1, description="judge: the route (role or model_id) asked.")
@@ -154,8 +147,11 @@ class RewardNodeConfig(_Strict):
     max_length: int = Field(2048, ge=8, le=1_000_000, description="reward_model: tokens scored (the start is "
                             "kept, the rest cut).")
 
-    @model_validator(mode="after")
-    def _source_has_what_it_needs(self):
-        if self.reward_source == "reward_model" and not self.model_path:
-            raise ValueError("reward_source reward_model needs model_path (a sequence-classification checkpoint)")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _source_is_the_agents(cls, data):
+        if isinstance(data, dict) and "reward_source" in data:
+            raise ValueError(f"nodes.reward.config.reward_source: the reward source is written in one place, "
+                             f"agent.reward_source; write agent.reward_source: {data['reward_source']} and keep "
+                             f"the judge's or reward model's settings here")
+        return data

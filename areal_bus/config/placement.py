@@ -16,10 +16,13 @@ over several). ZeroMQ binds addresses, not names, so the address is the name.
   weight relay, ``weights-<i>`` (i >= 1, the i-th such host), which receives every version over the
   bus's chunked CURVE transfer (areal_bus/weights/transfer.py) into that host's shared memory.
 
-Every function takes a validated ``Topology``; ``check`` is the validation topology.py runs.
+Every function takes a validated ``Topology`` (or, for ``check``, one being validated: config/root.py
+calls it); this module never imports the schema, which imports it.
 """
 
 from __future__ import annotations
+
+from areal_bus.config.base import NODE_KINDS
 
 RENDEZVOUS_PORT_OFFSET = 700
 """torch.distributed's TCPStore on the trainer's first host: base_port + 700 (the bus's channels take
@@ -108,8 +111,6 @@ def relay_endpoint(topo, host: str) -> str:
 def _processes(topo):
     """(host, (kind, replica)) of every process; kind 'trainer' replicas > 0 are the rank launchers of
     the trainer's other hosts (node rank = replica)."""
-    from areal_bus.config.topology import NODE_KINDS
-
     for kind in NODE_KINDS:
         for replica in range(topo.replicas(kind)):
             yield host_of(topo, kind, replica), (kind, replica)
@@ -123,8 +124,6 @@ def programs_on(topo, host: str | None) -> list[tuple[str, int]]:
     """(kind, replica) of every program ``host`` runs; None: every program on one host (today's single
     conf, which runs no relay and no rank launcher: its trainer starts all its ranks itself)."""
     if host is None:
-        from areal_bus.config.topology import NODE_KINDS
-
         return [(k, r) for k in NODE_KINDS for r in range(topo.replicas(k))]
     return [p for h, p in _processes(topo) if h == host]
 

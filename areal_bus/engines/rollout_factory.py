@@ -14,6 +14,7 @@ from typing import Callable, NamedTuple
 
 from areal_bus.engines.base import RolloutEngine
 from areal_bus.engines.sim import SimRolloutEngine
+from areal_bus.config import placement
 
 
 class WeightsUnavailable(RuntimeError):
@@ -57,6 +58,7 @@ def make_engine(topo, worker: str, replica: int, base=None, log=None) -> BuiltRo
         engine = SimRolloutEngine(cfg, worker) if vocab is None else SimRolloutEngine(cfg, worker, vocab_size=vocab)
         return BuiltRolloutEngine(engine, _keeps_nothing)
     if cfg.kind == "vllm":
+        # lazy: vLLM (and CUDA) load only in a worker that runs them; sim workers stay light
         from areal_bus.engines.vllm_engine import engine_from_topology
 
         return BuiltRolloutEngine(engine_from_topology(topo, worker, replica, base), _keeps_nothing)
@@ -73,7 +75,7 @@ def _far_loader(topo, base, replica: int, log):
     on the trainer's host. The announcement names the trainer's buffer; here the version is looked up
     in this host's relayed weight set (areal_bus/config/placement.py, nodes/weights.py), and the sha256 of
     what is served is logged (``weights_received``), to compare with the broadcaster's."""
-    from areal_bus.config import placement
+    # lazy: shared-memory weights import torch, which a sim worker never loads
     from areal_bus.weights.shm import ShmWeightReader, WeightShmError, parse_location
 
     if placement.host_of(topo, "rollout", replica) not in placement.far_rollout_hosts(topo):
@@ -99,6 +101,7 @@ def _far_loader(topo, base, replica: int, log):
 
 
 def _torch_engine(topo, worker: str, replica: int, base, log=None) -> BuiltRolloutEngine:
+    # lazy: the torch engine and its weight readers import torch, which a sim worker never loads
     from areal_bus.engines.torch_engine import TorchRolloutEngine
     from areal_bus.weights.shm import ShmWeightReader, WeightShmError
 
@@ -124,6 +127,7 @@ def _torch_engine(topo, worker: str, replica: int, base, log=None) -> BuiltRollo
         nonlocal cuda_reader
         if not location.startswith("cuda:"):
             return reader.open(location)
+        # lazy: CUDA IPC only when the trainer's writer is on a GPU
         from areal_bus.weights.cuda import CudaWeightReader, handles_path, load_handles
 
         handles = handles_path(topo.ipc_dir(base), topo.shm_name(base))

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from areal_bus.wire.messages import Completion, GenerateRequest, Trajectory
-from areal_bus.config.topology import LengthDistribution, RolloutEngineConfig, TrainerEngineConfig
+from areal_bus.config.topology import LengthDistribution, SimRolloutEngineConfig, SimTrainerEngineConfig
 
 
 def draw_length(dist: LengthDistribution, rng: np.random.Generator) -> int:
@@ -46,7 +46,7 @@ class _Seq:
 
 
 class SimRolloutEngine:
-    def __init__(self, cfg: RolloutEngineConfig, worker: str, vocab_size: int = 32000):
+    def __init__(self, cfg: SimRolloutEngineConfig, worker: str, vocab_size: int = 32000):
         self.cfg = cfg
         self.worker = worker
         self.vocab_size = vocab_size
@@ -133,7 +133,7 @@ class SimTrainEngine:
 
     vocab_size = None  # no embedding to index: any non-negative id trains
 
-    def __init__(self, cfg: TrainerEngineConfig, train_workers: int):
+    def __init__(self, cfg: SimTrainerEngineConfig, train_workers: int):
         self.cfg = cfg
         self.train_workers = train_workers
 

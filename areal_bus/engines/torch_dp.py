@@ -21,19 +21,28 @@ they rendezvous again with a restarted rank 0. gloo on CPU; on GPU hosts ``backe
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import fcntl
 import os
+import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from areal_bus.config.placement import HOST_ADDR_ENV
+from areal_bus.config.topology import load_topology
+
 _TENSORS = (("ids", torch.long), ("attn", torch.long), ("mask", torch.float32), ("behav", torch.float32),
             ("adv", torch.float32), ("lag", torch.float32))
-_CMD_TRAIN, _CMD_STOP = 1, 0
+CMD_TRAIN, CMD_STOP = 1, 0
+"""Rank 0's command before each broadcast: a batch follows, or the ranks exit."""
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
 """A rank waits this long in a collective; between updates ranks wait for rank 0's next batch, which
 may take as long as rollout takes to produce one. Liveness is the parent watchdog's job, not this."""
@@ -41,6 +50,11 @@ may take as long as rollout takes to produce one. Liveness is the parent watchdo
 
 EXIT_RANKS_LOST = 75
 """Rank 0's exit status when its process group broke (an error status: three in a row end the run)."""
+
+
+def backend_for(device: str) -> str:
+    """gloo for CPU tensors (the batch broadcast is always on CPU), NCCL for CUDA ones."""
+    return "cpu:gloo,cuda:nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 def _free_port() -> int:
@@ -81,7 +95,7 @@ class DataParallel:
     def send(self, data: dict[str, torch.Tensor]) -> None:
         """Rank 0: hand every rank the batch of the next update."""
         B, T = data["ids"].shape
-        dist.broadcast(torch.tensor([_CMD_TRAIN, B, T], dtype=torch.long), src=0)
+        dist.broadcast(torch.tensor([CMD_TRAIN, B, T], dtype=torch.long), src=0)
         for name, dtype in _TENSORS:
             dist.broadcast(data[name].to(dtype).contiguous(), src=0)
 
@@ -90,7 +104,7 @@ class DataParallel:
         head = torch.zeros(3, dtype=torch.long)
         dist.broadcast(head, src=0)
         cmd, B, T = (int(x) for x in head)
-        if cmd != _CMD_TRAIN:
+        if cmd != CMD_TRAIN:
             return cmd, None
         out = {}
         for name, dtype in _TENSORS:
@@ -117,7 +131,7 @@ class DataParallel:
     def close(self) -> None:
         if self.rank == 0:
             try:
-                dist.broadcast(torch.tensor([_CMD_STOP, 0, 0], dtype=torch.long), src=0)
+                dist.broadcast(torch.tensor([CMD_STOP, 0, 0], dtype=torch.long), src=0)
             finally:
                 for c in self.children:
                     try:
@@ -127,7 +141,7 @@ class DataParallel:
         dist.destroy_process_group()
 
 
-def _watch_parent(parent: int) -> None:
+def watch_parent(parent: int) -> None:
     while True:
         time.sleep(1.0)
         if os.getppid() != parent:
@@ -150,9 +164,6 @@ def rendezvous_env(environ=os.environ) -> dict | None:
 
 def _interface_of(addr: str) -> str | None:
     """The network interface that holds IPv4 address ``addr`` on this host, or None."""
-    import fcntl
-    import struct
-
     siocgifaddr = 0x8915
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
@@ -169,8 +180,6 @@ def _pin_interface(environ=os.environ) -> None:
     """Point gloo and NCCL at the interface of this host's address (placement.HOST_ADDR_ENV), unless
     the user chose one: torch otherwise resolves the host name, which may well be 127.0.0.1, and the
     other hosts' ranks then fail to connect ("connectFullMesh ... Connection refused")."""
-    from areal_bus.config.placement import HOST_ADDR_ENV
-
     addr = environ.get(HOST_ADDR_ENV)
     if not addr:
         return
@@ -193,10 +202,6 @@ def _start_rank(module: str, topology_path, model_path, rank: int, world: int, i
 def _refuse_resume_across_hosts(topology_path, model_path) -> None:
     """The ranks of other hosts start from model.path on their own disk: a rank 0 resuming from a
     checkpoint (which only its host holds) would train shards of two different models."""
-    from pathlib import Path
-
-    from areal_bus.config.topology import load_topology
-
     topo = load_topology(topology_path)
     if Path(model_path).resolve() != topo.model_path().resolve():
         raise RuntimeError(f"trainer ranks on other hosts start from model.path ({topo.model.path}); rank 0 "
@@ -208,12 +213,6 @@ def _refuse_resume_across_hosts(topology_path, model_path) -> None:
 def main(argv=None) -> int:
     """A host's trainer ranks other than rank 0's host: start them, wait, and exit as the first that
     fails (its supervisord restarts us; they rendezvous again) or 0 once rank 0 stopped them all."""
-    import argparse
-    import signal
-
-    from areal_bus.engines.torch_parallel import backend_for
-    from areal_bus.config.topology import load_topology
-
     p = argparse.ArgumentParser(description="the trainer ranks of one host (NODE_RANK > 0), as supervisord "
                                 "runs them from `areal-bus render TOPOLOGY --host ADDR`")
     p.add_argument("--topology", required=True)

@@ -1,7 +1,7 @@
 """Trainer parallelism over torch.distributed: data parallel with FSDP2, tensor parallel with DTensor.
 
-The topology's ``parallelism: {dp, tp}`` block picks the layout; the trainer runs ``dp x tp`` ranks
-(= ``train_workers``; ``train_workers`` alone means ``dp = train_workers``). The ranks form a 2-D
+The topology's ``train_workers`` ranks are laid out by ``parallelism.tp``, with ``dp = train_workers / tp``
+(areal_bus/config/root.py derives it). The ranks form a 2-D
 DeviceMesh ("dp", "tp") with rank = dp_index * tp + tp_index, so the ranks of one tensor-parallel
 group are neighbours: on one host, the GPUs with the fastest links between them.
 
@@ -46,8 +46,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from transformers import AutoConfig
 
-from areal_bus.engines.torch_dp import _CMD_STOP, _CMD_TRAIN, DataParallel, _watch_parent
+from areal_bus.config.topology import load_topology
+from areal_bus.engines.torch_dp import CMD_STOP, CMD_TRAIN, DataParallel, backend_for, watch_parent
 from areal_bus.engines.torch_train import TorchTrainEngine, load_optimizer_keeping_options
 from areal_bus.train.train_model import PackedLM, save_weights
 
@@ -89,11 +91,6 @@ def rank_device(device: str, rank: int) -> torch.device:
                          f"rank) but this host has {torch.cuda.device_count()}")
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
-
-
-def backend_for(device: str) -> str:
-    """gloo for CPU tensors (the batch broadcast is always on CPU), NCCL for CUDA ones."""
-    return "cpu:gloo,cuda:nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 def make_mesh(dp: int, tp: int, device_type: str) -> DeviceMesh:
@@ -325,8 +322,6 @@ class ParallelTrainEngine(TorchTrainEngine):
 def start(topo, topology_path: str | Path, model_path: str | Path, publisher=None) -> ParallelTrainEngine:
     """Rank 0 (the trainer node): check the layout against the model, start ranks 1..N-1, and build
     this rank's engine."""
-    from transformers import AutoConfig
-
     check_tp(AutoConfig.from_pretrained(model_path, local_files_only=True), topo.parallelism.tp,
              f"model.path {model_path}")
     group = RankGroup.launch(topo.train_workers, str(topology_path), str(model_path), backend_for(topo.trainer_device))
@@ -334,8 +329,6 @@ def start(topo, topology_path: str | Path, model_path: str | Path, publisher=Non
 
 
 def main(argv=None) -> int:
-    from areal_bus.config.topology import load_topology
-
     p = argparse.ArgumentParser(description="a trainer rank > 0 (started by the trainer node)")
     p.add_argument("--topology", required=True)
     p.add_argument("--model", required=True)
@@ -344,7 +337,7 @@ def main(argv=None) -> int:
     p.add_argument("--init", required=True)
     p.add_argument("--backend", default="gloo")
     args = p.parse_args(argv)
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=watch_parent, args=(os.getppid(),), daemon=True).start()
     topo = load_topology(args.topology)
     torch.set_num_threads(topo.model.threads)
     group = RankGroup(args.rank, args.world, args.init, args.backend)
@@ -352,9 +345,9 @@ def main(argv=None) -> int:
         engine = ParallelTrainEngine(topo, args.model, group=group)
         while True:
             cmd, data = group.receive_command()
-            if cmd == _CMD_STOP:
+            if cmd == CMD_STOP:
                 break
-            if cmd == _CMD_TRAIN:
+            if cmd == CMD_TRAIN:
                 engine.update(data)
             elif cmd == CMD_WEIGHTS:
                 engine.state_dict()

@@ -46,6 +46,9 @@ from areal_bus.model.modeling import as_dtype
 from areal_bus.train.packing import Packed, mini_batch_members, pack_rows
 from areal_bus.train.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, load_policy, packed_logprobs,
                                    save_weights)
+from areal_bus.engines.torch_engine import TorchRolloutEngine
+from areal_bus.tasks.plugins import make_driver
+from areal_bus.tasks.runner import evaluate, load_tokenizer
 
 # Names of the update's phases in a torch profile (bench/trainer.py --trace, bench/trace_summary.py): a few
 # host-side markers per update, a microsecond each while no profiler runs.
@@ -466,10 +469,6 @@ class HeldOutEvaluator:
     completions' token counts (areal_bus/tasks/runner.py: evaluate)."""
 
     def __init__(self, topo, model_path: Path, weights):
-        from areal_bus.engines.torch_engine import TorchRolloutEngine
-        from areal_bus.tasks.plugins import make_driver
-        from areal_bus.tasks.runner import load_tokenizer
-
         self.episodes = topo.trainer_engine.eval_episodes
         # The trainer's folder is the supervisord.conf's (the cwd): the task's dataset and plug-ins
         # resolve from it as in every other node.
@@ -480,7 +479,5 @@ class HeldOutEvaluator:
                                          dtype=topo.model.dtype, worker="eval", weight_loader=lambda _: weights())
 
     def __call__(self, version: int) -> dict:
-        from areal_bus.tasks.runner import evaluate
-
         self.engine.swap_weights(version, "trainer")
         return evaluate(self.engine, self.driver, seeds=self.seeds)

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Protocol
 
 from areal_bus.wire.messages import Trajectory
+from areal_bus.engines.sim import SimTrainEngine
+from areal_bus.config.topology import dump_resolved
 
 
 class WeightsBusy(RuntimeError):
@@ -79,9 +81,11 @@ class WeightPublisher:
         self.writer = None
 
     def publish(self, state_dict, version: int) -> tuple[str, int]:
+        # lazy: torch, which this module's sim engine never needs
         from areal_bus.weights.shm import BufferBusy, ShmWeightWriter
 
         if self.writer is None and self.topo.trainer_device.startswith("cuda"):
+            # lazy: CUDA IPC only for a trainer on a GPU
             from areal_bus.weights.cuda import CudaWeightWriter, handles_path, save_handles
 
             device = next(iter(state_dict.values())).device
@@ -110,9 +114,8 @@ def build_train_engine(topo, base=None, checkpoint: Path | None = None) -> Train
     """The engine ``topo.trainer_engine.kind`` names, started from ``checkpoint`` (weights and optimizer)
     when given, else from ``model.path``."""
     if topo.trainer_engine.kind == "sim":
-        from areal_bus.engines.sim import SimTrainEngine
-
         return SimTrainEngine(topo.trainer_engine, topo.train_workers)
+    # lazy: torch and the torch engine load only in a trainer that trains with them (not in a sim run)
     import torch
 
     from areal_bus.engines.torch_train import TorchTrainEngine
@@ -124,8 +127,7 @@ def build_train_engine(topo, base=None, checkpoint: Path | None = None) -> Train
     torch.set_num_threads(topo.model.threads)
     publisher = WeightPublisher(topo, base)
     if topo.train_workers > 1:  # parallelism dp x tp ranks (FSDP2, DTensor); this process is rank 0
-        from areal_bus.engines import torch_parallel
-        from areal_bus.config.topology import dump_resolved
+        from areal_bus.engines import torch_parallel  # lazy: FSDP2/DTensor only for a parallel layout
 
         # The other ranks read the resolved topology dumped here (JSON is YAML).
         resolved = topo.log_dir(base) / "resolved" / "trainer-dp.json"

@@ -2,7 +2,7 @@
 a CUDA host. An optional extra: ``pip install 'areal-bus[vllm]'``; select it with
 ``rollout_engine.kind: vllm`` and ``model.device: cuda`` in the topology.
 
-Run on one H200 with vLLM 0.25.1 (2026-12-01; installed there by scripts/gpu_vllm.sh): the GPU tests
+Run on one H200 with vLLM 0.25.1 (2026-12-01; installed there by scripts/gpu-host/gpu_vllm.sh): the GPU tests
 of tests/test_vllm_engine.py pass (logprobs against the trainer's recompute, a swap mid-request, the
 prefix cache and its salt, a CUDA IPC swap from another process), and bench/engine.py --vllm and
 bench/gpu_e2e.py --engine vllm measured it beside the torch engine (bench/RESULTS.md). The pure parts
@@ -276,6 +276,8 @@ def handles_on_device(handles: Mapping, index: int) -> dict:
 def changed_handles(path: str | Path, stamp: int | None) -> tuple[int, dict | None]:
     """The trainer's CUDA handles file (``weights_cuda.save_handles``) if it changed since ``stamp``
     (its mtime in ns when last read), else None; and its current stamp."""
+    # lazy (here and below): this module imports without torch, as a host without vLLM reads it; the
+    # weight readers import torch
     from areal_bus.weights.cuda import load_handles
 
     now = Path(path).stat().st_mtime_ns
@@ -297,10 +299,10 @@ class WeightFeed:
         """``{"kind": "shm", "name": <weight set>}`` or ``{"kind": "cuda", "handles": <CudaWeightWriter.handles()>}``."""
         kind = source.get("kind")
         if kind == "shm":
-            from areal_bus.weights.shm import ShmWeightReader
+            from areal_bus.weights.shm import ShmWeightReader  # lazy: torch (see changed_handles)
             self.shm = ShmWeightReader(source["name"])
         elif kind == "cuda":
-            from areal_bus.weights.cuda import CudaWeightReader
+            from areal_bus.weights.cuda import CudaWeightReader  # lazy: torch (see changed_handles)
             handles = source["handles"]
             if self.cuda is not None:  # a restarted trainer exported new buffers: the old ones are gone
                 self.cuda.close()
@@ -491,7 +493,7 @@ class VllmRolloutEngine:
 def engine_from_topology(topo, worker: str, replica: int, base=None) -> VllmRolloutEngine:
     """The rollout node's vLLM engine: the topology's model and limits, fed with what the trainer
     publishes: shared-memory buffers, or CUDA buffers whose handles it leaves next to the ipc sockets."""
-    from areal_bus.weights.cuda import handles_path
+    from areal_bus.weights.cuda import handles_path  # lazy: torch (see changed_handles)
 
     cfg, model = topo.rollout_engine, topo.model
     path = topo.model_path(base)

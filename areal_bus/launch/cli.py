@@ -6,6 +6,8 @@
   areal-bus render TOPOLOGY [-o supervisord.conf]   write the supervisord.conf for a topology
   areal-bus render TOPOLOGY --host ADDR             the conf of one host: the programs placed there
   areal-bus validate TOPOLOGY                       check a topology and the files it names, print it resolved
+  areal-bus knobs [--markdown]                      every topology knob: path, type, default, bounds, kind,
+                                                    experimental mark, description (--markdown: docs/knobs.md)
   areal-bus node KIND --topology T [--replica N]    run one node (what supervisord runs)
   areal-bus node trainer --topology T --resume      continue a run from its newest checkpoint
   areal-bus probe [--topology T] [--json]           attach to a running system, print throughput
@@ -22,6 +24,10 @@
 
 Node kinds (and the probe) are found by name, ``nodes.<kind>``, with importlib: the library never
 imports a node module, so this command sits in the library and still reaches every node.
+
+Each subcommand imports what it alone needs inside its function ("lazy: one subcommand's"): every node
+process is ``areal-bus node KIND``, and should not pay for the plotting, the router's HTTP client or the
+launcher it never runs.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import sys
 from pathlib import Path
 
 from areal_bus.wire.security import CurveKeyError
+from areal_bus.config import knobs
 from areal_bus.config.topology import NODE_KINDS, TopologyError, dump_resolved, load_topology
 from areal_bus.config.files import check_files
 
@@ -54,7 +61,7 @@ def _node_module(name: str):
 
 
 def cmd_render(args) -> int:
-    from areal_bus.launch.render import write_conf
+    from areal_bus.launch.render import write_conf  # lazy: one subcommand's
 
     output = args.output or ("supervisord.conf" if args.host is None else f"supervisord.{args.host}.conf")
     topo, _ = _load(args.topology, Path(output).resolve().parent)
@@ -64,7 +71,7 @@ def cmd_render(args) -> int:
         print(f"areal-bus render: {err}", file=sys.stderr)
         return 2
     if args.host is not None:
-        from areal_bus.config.placement import programs_on
+        from areal_bus.config.placement import programs_on  # lazy: one subcommand's
 
         print(f"wrote {out} for host {args.host} ({', '.join(f'{k}-{r}' for k, r in programs_on(topo, args.host))})")
         return 0
@@ -90,7 +97,7 @@ def cmd_validate(args) -> int:
 
 
 def cmd_node(args) -> int:
-    from areal_bus.router import RouterConfigError
+    from areal_bus.router import RouterConfigError  # lazy: one subcommand's
 
     topo, _ = _load(args.topology)
     module = _node_module(args.kind)
@@ -105,7 +112,7 @@ def cmd_node(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    from areal_bus.wire.security import make_keys
+    from areal_bus.wire.security import make_keys  # lazy: one subcommand's
 
     try:
         public, secret = make_keys(args.out, args.name, force=args.force)
@@ -122,7 +129,7 @@ def cmd_probe(args) -> int:
     topo, _ = _load(args.topology, files=False)  # it reads no file: attaching works from any folder
     prometheus = None
     if args.prometheus_port is not None:
-        from areal_bus.config.node_configs import ProbeConfig
+        from areal_bus.config.node_configs import ProbeConfig  # lazy: one subcommand's
 
         prometheus = ProbeConfig(metrics_port=args.prometheus_port)
     return _node_module("probe").attach(topo, interval=args.interval, duration=args.duration, as_json=args.json,
@@ -130,7 +137,7 @@ def cmd_probe(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from areal_bus.launch.plot import plot
+    from areal_bus.launch.plot import plot  # lazy: one subcommand's
 
     try:
         out, note = plot(args.log_dir, args.metric, args.output)
@@ -144,7 +151,7 @@ def cmd_plot(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from areal_bus.launch.run import RunError, run
+    from areal_bus.launch.run import RunError, run  # lazy: one subcommand's
 
     if not Path(args.target).exists():
         print(f"areal-bus run: {args.target} not found", file=sys.stderr)
@@ -157,7 +164,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_run_end(args) -> int:
-    from areal_bus.launch.runend import listen
+    from areal_bus.launch.runend import listen  # lazy: one subcommand's
 
     return listen(args.program)
 
@@ -166,7 +173,8 @@ def cmd_run_end(args) -> int:
 def cmd_check_channel(args) -> int:
     import structlog
 
-    from areal_bus.runtime.logs import render_line
+    from areal_bus.runtime.logs import render_line  # lazy: one subcommand's
+    # lazy: one subcommand's
     from areal_bus.router import ModelRouter, RouterConfigError, RouterError, load_router_config, reply_text
 
     # Quiet by default so a failure is exactly one line; --verbose shows the routed/retry log lines.
@@ -186,7 +194,7 @@ def cmd_check_channel(args) -> int:
 
 # -- import-model ---------------------------------------------------------------------------------
 def cmd_import_model(args) -> int:
-    from areal_bus.launch.import_model import ImportModelError, convert
+    from areal_bus.launch.import_model import ImportModelError, convert  # lazy: one subcommand's
 
     try:
         result = convert(args.source, args.out, dtype=args.dtype, force=args.force,
@@ -197,6 +205,11 @@ def cmd_import_model(args) -> int:
     print(f"import-model: {result.parameters:,} parameters; load it with model.path: {result.out}")
     return 0
 # -- end import-model -----------------------------------------------------------------------------
+
+
+def cmd_knobs(args) -> int:
+    print(knobs.markdown() if args.markdown else knobs.text())
+    return 0
 
 
 def main(argv=None) -> int:
@@ -221,6 +234,10 @@ def main(argv=None) -> int:
     v = sub.add_parser("validate", help="check a topology and print it resolved")
     v.add_argument("topology")
     v.set_defaults(fn=cmd_validate)
+    kn = sub.add_parser("knobs", help="list every topology knob with its type, default, bounds and description")
+    kn.add_argument("--markdown", action="store_true", help="the reference, as docs/knobs.md holds it "
+                    "(refresh: areal-bus knobs --markdown > docs/knobs.md)")
+    kn.set_defaults(fn=cmd_knobs)
     n = sub.add_parser("node", help="run one node process")
     n.add_argument("kind", choices=NODE_KINDS)
     n.add_argument("--topology", default=DEFAULT_TOPOLOGY)

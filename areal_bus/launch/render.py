@@ -26,7 +26,7 @@ from pathlib import Path
 
 from areal_bus.config import placement
 from areal_bus.launch.runend import EVENTS
-from areal_bus.config.topology import Topology
+from areal_bus.config.topology import CHANNEL_OWNERS, Topology
 
 # Start order: the hub first, consumers before producers (ZeroMQ reconnects either way; this only
 # shortens the first seconds).
@@ -105,8 +105,6 @@ def _watched(topo: Topology, host: str | None, programs: list[tuple[str, int]]) 
 
 
 def _host_header(topo: Topology, host: str) -> list[str]:
-    from areal_bus.config.topology import CHANNEL_OWNERS
-
     lines = [f"; Host {host} of {', '.join(placement.hosts(topo))}: only the programs the topology places here.",
              "; Copy the same topology, its model folder and the CURVE key folder to every host; render and",
              "; start each host's own conf there (`supervisord -c` it, or `areal-bus run` it).",

@@ -37,9 +37,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from areal_bus.launch.runend import OUTCOME, write_outcome
+from areal_bus.runtime.outcome import OUTCOME, OUTCOME_ENV, RESUME_ENV, write_outcome
 from areal_bus.config.topology import Topology, load_topology
 from areal_bus.config.files import check_files
+from areal_bus.launch.render import write_conf
 
 POLL_S = 0.5
 """How often the progress line re-reads train_steps.jsonl and supervisord's state: live to a person,
@@ -58,13 +59,6 @@ RUN_FOLDERS = ("resolved", "ledger", "supervisor")
 are not in it: see the module docstring)."""
 RUN_DATA = ("spool", "checkpoints")
 """What a run keeps for ``--resume``: moved aside with its logs when a new run starts instead."""
-RESUME_ENV = "AREAL_BUS_RESUME"
-"""Set to 1 in supervisord's environment by ``areal-bus run --resume``; supervisord hands it to the
-trainer, which then resumes as ``areal-bus node trainer --resume`` does. An environment variable, not
-a file: it lives exactly as long as that supervisord, so a later bare ``supervisord -c`` never
-resumes (nor starts over) by accident."""
-
-
 @dataclass
 class Target:
     conf: Path
@@ -85,8 +79,6 @@ def resolve(target: str, output: str | None = None) -> Target:
     rendered conf (its topology read back from its programs' ``--topology``)."""
     path = Path(target)
     if path.suffix in (".yaml", ".yml"):
-        from areal_bus.launch.render import write_conf
-
         conf = Path(output or f"{path.stem}.conf").resolve()
         topo = load_topology(path)
         check_files(topo, conf.parent, source=str(path))
@@ -361,7 +353,7 @@ def run(target: str, output: str | None = None, new_run: bool = False, resume: b
     outcome = log_dir / OUTCOME
     write_outcome(outcome, run=run_id, status="running", started=time.strftime("%Y-%m-%dT%H:%M:%S"),
                   conf=str(t.conf), topology=str(t.topology))
-    env = {**{k: v for k, v in os.environ.items() if k != RESUME_ENV}, "AREAL_BUS_RUN_OUTCOME": str(outcome),
+    env = {**{k: v for k, v in os.environ.items() if k != RESUME_ENV}, OUTCOME_ENV: str(outcome),
            # The nodes and the listener run `areal-bus` from this command's own environment.
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            **({RESUME_ENV: "1"} if resume else {})}

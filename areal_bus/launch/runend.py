@@ -20,7 +20,6 @@ Run (what supervisord runs): areal-bus run-end --program trainer
 from __future__ import annotations
 
 import collections
-import json
 import os
 import re
 import sys
@@ -29,6 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor import childutils
+
+from areal_bus.runtime.outcome import outcome_path, write_outcome
+from areal_bus.launch.watchdog import Watchdog
 
 CRASH_LIMIT = 3
 """Error exits of one process, within CRASH_WINDOW_S, that end the run. One is what a restart is for
@@ -43,7 +45,6 @@ START_TRIES = 3
 default for startretries. The rendered startretries (20, with a growing backoff) would take minutes."""
 EVENTS = "PROCESS_STATE_EXITED,PROCESS_STATE_BACKOFF,PROCESS_STATE_FATAL"
 """What the listener subscribes to (the rendered ``events=``): exits, failed starts, and giving up."""
-OUTCOME = "run_outcome.json"
 """The run-outcome file in log_dir: written by ``areal-bus run`` at start, completed by this listener."""
 LOG_TAIL_BYTES = 65536
 """How much of a log is read back for the line a reason quotes: a traceback fits many times over."""
@@ -160,27 +161,6 @@ def process_log(process: str) -> Path | None:
     return Path(log) if log else None
 
 
-def outcome_path(env=os.environ) -> Path | None:
-    """``$AREAL_BUS_RUN_OUTCOME`` (``areal-bus run`` sets it), else log_dir/run_outcome.json found
-    from supervisord's socket, which the rendered conf puts in log_dir; None without either."""
-    if env.get("AREAL_BUS_RUN_OUTCOME"):
-        return Path(env["AREAL_BUS_RUN_OUTCOME"])
-    url = env.get("SUPERVISOR_SERVER_URL", "")
-    return Path(url[len("unix://"):]).parent / OUTCOME if url.startswith("unix://") else None
-
-
-def write_outcome(path: Path, **fields) -> None:
-    """Merge ``fields`` into the outcome file (``areal-bus run`` wrote the run's id and start), atomically."""
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        record = {}
-    record.update(fields)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def describe(verdict: Verdict, log: Path | None) -> str:
     """The one line: ``run failed: NAME ...; its log: PATH (LAST ERROR)``."""
     if verdict.ok:
@@ -207,8 +187,6 @@ def end(verdict: Verdict, outcome: Path | None) -> str:
 def listen(program: str = "trainer") -> int:
     watch = RunWatch(program)
     outcome = outcome_path()
-    from areal_bus.launch.watchdog import Watchdog
-
     Watchdog(_rpc).start()  # stalled nodes (heartbeat gone, process there): areal_bus/launch/watchdog.py
     while True:
         headers, payload = childutils.listener.wait(sys.stdin, sys.stdout)

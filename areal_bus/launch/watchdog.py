@@ -25,7 +25,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+import zmq
+
+from areal_bus.config.topology import load_topology
 from areal_bus.constants import HEARTBEAT_INTERVAL_S, WATCHDOG_FIRST_BEAT_S, WATCHDOG_SILENT_S
+from areal_bus.runtime.metrics import Metrics
+from areal_bus.wire import messages as m
+from areal_bus.wire.channels import open_socket
+from areal_bus.wire.codec import DecodeError, decode
+from areal_bus.wire.security import bus_context
 
 
 @dataclass
@@ -144,16 +153,6 @@ class Watchdog(threading.Thread):
             self.say("error", "watchdog_failed", error=repr(exc)[:300])
 
     def _run(self) -> None:
-        import structlog
-        import zmq
-
-        from areal_bus.wire import messages as m
-        from areal_bus.wire.channels import open_socket
-        from areal_bus.wire.codec import DecodeError, decode
-        from areal_bus.runtime.metrics import Metrics
-        from areal_bus.wire.security import bus_context
-        from areal_bus.config.topology import load_topology
-
         path = None
         while path is None and not self.stop.is_set():  # supervisord's socket may not answer yet
             try:

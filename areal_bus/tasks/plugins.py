@@ -20,6 +20,10 @@ from pathlib import Path
 
 from areal_bus.tasks.dataset import DatasetError, DatasetSplits
 from areal_bus.tasks.driver import TaskContext, TaskDriver
+from areal_bus.tasks.guess import GuessTask
+from areal_bus.tasks.longtail import LongtailTask, check_limits
+from areal_bus.tasks.math_task import MathTask
+from areal_bus.tasks.runner import load_tokenizer
 
 BUILTIN_TASKS = ("guess", "math", "longtail")
 """Built-in task names (besides ``sim``, the simulated engines' synthetic prompts)."""
@@ -91,16 +95,10 @@ def task_class(agent, base: Path | None = None):
     """The class ``agent.framework`` names (checked), and the name trajectories carry in meta."""
     fw = agent.framework
     if fw == "guess":
-        from areal_bus.tasks.guess import GuessTask
-
         return GuessTask, "guess"
     if fw == "math":
-        from areal_bus.tasks.math_task import MathTask
-
         return MathTask, "math"
     if fw == "longtail":
-        from areal_bus.tasks.longtail import LongtailTask
-
         return LongtailTask, "longtail"
     cls = resolve("agent.framework", fw, base)
     check_task_class("agent.framework", fw, cls)
@@ -108,9 +106,9 @@ def task_class(agent, base: Path | None = None):
 
 
 def reward_fn(agent, base: Path | None = None):
-    """The function ``agent.reward_source`` names (checked), or None for rule / passthrough."""
+    """The function ``agent.reward_source`` names (checked), or None for a source that names none."""
     src = agent.reward_source
-    if src in ("rule", "passthrough"):
+    if src in ("rule", "passthrough", "judge", "reward_model"):  # the last two: the reward node scores
         return None
     fn = resolve("agent.reward_source", src, base)
     check_reward_fn("agent.reward_source", src, fn)
@@ -136,8 +134,6 @@ def check_agent(topo, base: Path | None = None) -> list[str]:
         except (PluginError, DatasetError) as err:
             problems.append(str(err))
     if agent.framework == "longtail":
-        from areal_bus.tasks.longtail import check_limits
-
         problems += check_limits(topo)
     return problems
 
@@ -146,8 +142,6 @@ def make_driver(topo, base: Path | None = None, tokenizer=None) -> TaskDriver:
     """The driver of ``agent.framework`` with its dataset and reward function, on the policy's
     tokenizer (loaded from model.path unless given)."""
     if tokenizer is None:
-        from areal_bus.tasks.runner import load_tokenizer
-
         tokenizer = load_tokenizer(topo.model_path(base))
     agent = topo.agent
     cls, name = task_class(agent, base)

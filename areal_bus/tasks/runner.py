@@ -17,6 +17,7 @@ import numpy as np
 from areal_bus.wire.messages import GenerateRequest, Trajectory
 from areal_bus.tasks.driver import TaskDriver
 from areal_bus.tasks.guess import GuessTask
+from areal_bus.model.tokenizer import CHAT_TEMPLATE
 
 MAX_TOKENS_PER_TURN = GuessTask.max_tokens
 
@@ -28,8 +29,6 @@ def load_tokenizer(model_path: str | Path):
 
     tok = AutoTokenizer.from_pretrained(str(model_path))
     if not getattr(tok, "chat_template", None):
-        from areal_bus.model.tokenizer import CHAT_TEMPLATE
-
         tok.chat_template = CHAT_TEMPLATE
     return tok
 

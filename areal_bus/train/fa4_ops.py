@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from areal_bus.train.launch_replay import LaunchReplay, compile_cache_owners
+
 FA4_REPLAY = True
 """Whether the FlashAttention-4 operators run flash-attn-4's entry points whole on a key's first call only
 and replay its allocations and kernel launches after (``areal_bus.train.launch_replay``): its entry points
@@ -33,9 +35,7 @@ _FA4_LAUNCHES = None
 def _fa4_replay():
     global _FA4_LAUNCHES
     if _FA4_LAUNCHES is None:
-        import flash_attn.cute.interface as fa4
-
-        from areal_bus.train.launch_replay import LaunchReplay, compile_cache_owners
+        import flash_attn.cute.interface as fa4  # lazy: an optional package, present on Hopper hosts only
 
         _FA4_LAUNCHES = LaunchReplay(compile_cache_owners([fa4]))
     return _FA4_LAUNCHES

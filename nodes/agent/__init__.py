@@ -16,9 +16,10 @@ __all__ = ["EpisodeSource", "SimDriver", "make_driver", "run"]
 
 def run(topo, replica: int = 0, base=None) -> int:
     if topo.agent.via == "gateway":
+        # lazy: only the path this run takes loads (the gateway agent pulls aiohttp and the openai SDK)
         from nodes.agent.via_gateway import run as run_via_gateway
 
         return run_via_gateway(topo, replica, base)
-    from nodes.agent.node import run as run_over_bus
+    from nodes.agent.node import run as run_over_bus  # lazy: as via_gateway above
 
     return run_over_bus(topo, replica, base)

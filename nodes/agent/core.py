@@ -36,6 +36,7 @@ from areal_bus.admission import Admission, Sources
 from areal_bus.constants import GROUP_WAIT_S, REISSUE_UNCLAIMED_S
 from areal_bus.episode import EpisodeRecord
 from areal_bus.version import PolicyVersion
+from areal_bus.tasks.plugins import make_driver as make_task_driver
 
 
 class SimDriver:
@@ -240,6 +241,4 @@ def make_driver(topo, base=None):
     task or the user's ``package.module:Class``, areal_bus/tasks/plugins.py)."""
     if topo.agent.framework == "sim":
         return SimDriver(topo)
-    from areal_bus.tasks.plugins import make_driver as make_task_driver
-
     return make_task_driver(topo, base)

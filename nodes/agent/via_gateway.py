@@ -20,6 +20,8 @@ import numpy as np
 from areal_bus.wire import messages as m
 from areal_bus.runtime.node import NodeShell
 from areal_bus.tasks.driver import combine_reward
+from areal_bus.gateway_client import check_gateway
+from nodes.agent.core import make_driver
 
 MAX_GROUPS_IN_FLIGHT = 8
 """Task instances played at once by one agent; the gateway's admission is the real limit, this only
@@ -96,8 +98,6 @@ class GatewayAgent:
             self.shell.log.info("group", index=index, seed=seed, mean_reward=round(float(np.mean(rewards)), 3))
 
     async def main(self) -> None:
-        from areal_bus.gateway_client import check_gateway
-
         shell = self.shell
         hub = asyncio.create_task(self.watch_hub())
         await asyncio.to_thread(check_gateway, f"{self.base_url}/v1", 5.0, self.admin, 120.0)  # waits while it starts
@@ -127,8 +127,6 @@ def run(topo, replica: int = 0, base=None) -> int:
 
     shell = NodeShell(topo, "agent", replica, base=base, watch=("gateway",), topics=(m.TOPIC_RUN,))
     shell.install_signal_handlers()
-    from nodes.agent.core import make_driver
-
     agent = GatewayAgent(topo, replica, shell, openai, make_driver(topo, base))
     if agent.admin is None:  # the gateway will not start either: say so here too, with the fix
         shell.log.error("no_admin_token", fix="export AREAL_BUS_ADMIN_TOKEN (8+ characters) in the shell that "

@@ -19,9 +19,11 @@ holds (its prompt, completions and the ids between) continues that branch: the i
 recorded as environment tokens, so a token-in/token-out client's multi-turn episode is one trajectory.
 Any other prompt starts a new segment of the session.
 
-``CompletionsRoutes`` is a mixin of ``app.Gateway``; it relies on the Gateway's ``cfg``, ``backend``,
-``tok``, ``renderer``, ``store``, ``jobs``, ``max_context``, ``metrics``, ``log``, ``principal``,
-``read_json``, and PolicyChat's ``_admit`` / ``_add_pending``.
+``CompletionsRoutes`` holds what it needs, passed by the Gateway: ``Keys``, the backend, the renderer
+(its tokenizer), the session store, the turns in flight (``jobs``, which an ending session waits for),
+the ``policy_chat.Pending`` count and ``ResponseIds`` it shares with the chat path, the context length,
+the config, metrics and log; it adds its route with ``register`` (``app.make_app``, under "" and
+"/gateway"). It does not go through PolicyChat: no chat template, no tool or reasoning parsing.
 """
 
 from __future__ import annotations
@@ -35,11 +37,15 @@ import numpy as np
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from nodes.gateway.backend import SamplingParams
+from areal_bus.config.node_configs import GatewayConfig
+from nodes.gateway.backend import Backend, SamplingParams
+from nodes.gateway.chat import ChatRenderer
+from nodes.gateway.keys import Keys
 from nodes.gateway.live import TextFeed
 from nodes.gateway.openai_api import MAX_N, MAX_STOPS, SSE_DONE, OpenAIError, sse, usage, validation_error
-from nodes.gateway.server import ADMIN, SSE_HEADERS, json_response
-from nodes.gateway.sessions import Choice, Session
+from nodes.gateway.policy_chat import Pending, ResponseIds
+from nodes.gateway.server import ADMIN, SSE_HEADERS, json_response, read_json
+from nodes.gateway.sessions import Choice, Session, SessionStore
 
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for a completions request that names no max_tokens (the chat API's is the rest of
@@ -130,14 +136,33 @@ def legacy_logprobs(decode, ids, lps) -> dict:
 
 
 class CompletionsRoutes:
-    """POST /v1/completions, served by the Gateway that mixes this class in."""
+    """POST /v1/completions."""
+
+    def __init__(self, cfg: GatewayConfig, keys: Keys, backend: Backend, renderer: ChatRenderer,
+                 store: SessionStore, *, jobs: dict[str, set[asyncio.Task]], pending: Pending, ids: ResponseIds,
+                 max_context: int, metrics, log):
+        self.cfg = cfg
+        self.keys = keys
+        self.backend = backend
+        self.renderer = renderer
+        self.tok = renderer.tok
+        self.store = store
+        self.jobs = jobs
+        self.pending = pending
+        self.ids = ids
+        self.max_context = max_context
+        self.metrics = metrics
+        self.log = log
+
+    def register(self, router: web.UrlDispatcher, prefix: str) -> None:
+        router.add_post(f"{prefix}/v1/completions", self.completions_create)
 
     async def completions_create(self, request: web.Request) -> web.StreamResponse:
         t0 = time.monotonic()
-        who = self.principal(request)
-        data = await self.read_json(request)
+        who = self.keys.principal(request)
+        data = await read_json(request, self.cfg)
         if who is not ADMIN and who.closing:
-            who = self.principal(request)
+            who = self.keys.principal(request)
         req = parse_completion_request(data)
         if req.model != self.cfg.policy_model:
             raise OpenAIError(404, f"The model '{req.model}' does not exist for completions on this gateway; it "
@@ -153,7 +178,7 @@ class CompletionsRoutes:
                                  stop_token_ids=tuple(self.renderer.stop_token_ids(stops)),
                                  ticket=session.ticket if session is not None else 0) for p in prompts]
         total = len(prompts) * n
-        self._admit(total)
+        self.pending.admit(total)
         loop = asyncio.get_running_loop()
         tokens = asyncio.Queue() if req.stream and getattr(self.backend, "streams_tokens", False) else None
         first = None
@@ -163,7 +188,7 @@ class CompletionsRoutes:
         job = loop.create_task(self._complete_all(session, prompts, params, n, stops, temperature, first, tokens))
         if session is not None:  # a disconnect cancels this handler, never the recording
             self.jobs.setdefault(session.id, set()).add(job)
-        rid = f"cmpl-{session.id}-{first}" if session is not None else f"cmpl-{self._rid_prefix}{next(self._rids)}"
+        rid = f"cmpl-{session.id}-{first}" if session is not None else f"cmpl-{self.ids.next()}"
         created = int(time.time())
         if req.stream:
             return await self._stream_completion(request, req, rid, created, job, tokens, prompts, stops)
@@ -225,7 +250,7 @@ class CompletionsRoutes:
                                   code="backend_unavailable")
             return outs
         finally:
-            self._add_pending(-len(prompts) * n)
+            self.pending.add(-len(prompts) * n)
             if tokens is not None:
                 tokens.put_nowait(None)
             if session is not None:

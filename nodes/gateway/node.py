@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from urllib.parse import urlsplit
 
 import zmq
 
@@ -24,7 +25,9 @@ from areal_bus.wire import messages as m
 from areal_bus.admission import Admission, Sources
 from areal_bus.wire.channels import ReliableSender, open_socket
 from areal_bus.runtime.ledger import Ledger, ledger_path
+from areal_bus.router import ModelRouter, load_router_config
 from areal_bus.runtime.node import NodeShell
+from areal_bus.tasks.runner import load_tokenizer
 from areal_bus.trajectory_check import check_trajectory, model_vocab_size, reason_code
 from areal_bus.version import PolicyVersion
 from nodes.gateway.app import GATEWAY, make_app, start_server
@@ -41,8 +44,6 @@ ADMISSION_RETRY_S = 1.0
 
 def _is_self(base_url: str, cfg) -> bool:
     """Whether a router's base_url is this gateway's own address (loopback or its host, its port)."""
-    from urllib.parse import urlsplit
-
     url = urlsplit(base_url)
     port = url.port or (443 if url.scheme == "https" else 80)
     return port == cfg.port and url.hostname in {"127.0.0.1", "localhost", "::1", "0.0.0.0", cfg.host}
@@ -64,8 +65,6 @@ def _router(shell, topo, cfg, base):
     router would send requests back to this gateway (refused with the fix)."""
     if not cfg.router_config:
         return None
-    from areal_bus.router import ModelRouter, load_router_config
-
     router_cfg = load_router_config(topo.resolve(cfg.router_config, base))
     if _is_self(router_cfg.api_gateway.base_url, cfg):
         shell.log.error("router_is_this_gateway", router_config=cfg.router_config,
@@ -108,7 +107,7 @@ class GatewayWiring:
             self.admission.abandon(1)
             shell.metrics.inc(f"rejected.{reason_code(reason)}")
             shell.log.error("trajectory_rejected", session=traj.episode_id, traj=traj.traj_id, reason=reason)
-            self.app[GATEWAY].settled([traj.traj_id])
+            self.app[GATEWAY].lifecycle.settled([traj.traj_id])
             return
         traj.source = self.source
         self.ledger.write("produced", ids=[traj.traj_id])
@@ -125,7 +124,8 @@ class GatewayWiring:
                                share=self.admission.batch_share)
             if isinstance(msg, m.TrajAck):
                 sender.settle(msg)
-                self.app[GATEWAY].settled([*msg.consumed, *msg.stale, *msg.duplicate, *msg.accepted, *msg.rejected])
+                self.app[GATEWAY].lifecycle.settled([*msg.consumed, *msg.stale, *msg.duplicate, *msg.accepted,
+                                                     *msg.rejected])
             elif isinstance(msg, m.RunState):
                 shell.policy = max(shell.policy, PolicyVersion(msg.lineage, msg.version))
                 self.admission.follow(msg, self.source)  # totals, not acks: a lost hub message leaks no slot
@@ -156,8 +156,6 @@ def run(topo, replica: int = 0, base=None) -> int:
     if router is False:
         shell.close()
         return 2
-    from areal_bus.tasks.runner import load_tokenizer
-
     tokenizer = load_tokenizer(topo.model_path(base))
     bus = GatewayWiring(shell, topo, replica, base)
     wal = GatewayWAL(wal_path(shell.log_dir, shell.node_id), fsync=cfg.wal_fsync) if cfg.wal else None
@@ -165,10 +163,10 @@ def run(topo, replica: int = 0, base=None) -> int:
     async def main() -> None:
         bus.app = make_app(cfg, bus.backend, tokenizer, router=router, emit=bus.emit, admission=bus.admit,
                            log=shell.log, metrics=shell.metrics, wal=wal)
-        gw = bus.app[GATEWAY]
+        restored = bus.app[GATEWAY].lifecycle
         # Sessions resumed and trajectories resent from the WAL were admitted by the incarnation that
         # died: this one's counts start at zero, and the trainer will count them under our source.
-        bus.admission.admit(gw.resumed + sum(t.traj_id == t.episode_id for t in gw.resend))
+        bus.admission.admit(restored.resumed + sum(t.traj_id == t.episode_id for t in restored.resend))
         runner = await start_server(bus.app, cfg)
         bus.backend.start()
         shell.announce_start(host=cfg.host, port=cfg.port, policy_model=cfg.policy_model,

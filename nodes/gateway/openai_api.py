@@ -6,7 +6,7 @@ would change the reply and that the policy's engines cannot honour (``seed``, ``
 json_object / json_schema, ``top_logprobs`` > 0, penalties, ``logit_bias``, ...) is a 400 naming it, as is
 a field the gateway does not know; only bookkeeping fields with no effect on the reply (``user``,
 ``metadata``, ``store``, ...: ``BOOKKEEPING``) and no-op values (``frequency_penalty: 0``,
-``response_format: {"type": "text"}``) pass. The README's field table lists each. Every client error is
+``response_format: {"type": "text"}``) pass. docs/gateway.md's field table lists each. Every client error is
 an ``OpenAIError``, rendered as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
 """
 
@@ -189,7 +189,7 @@ def parse_chat_request(data) -> ChatRequest:
     return req
 
 
-# -- fields honoured or refused (the README's field table) ---------------------------------------
+# -- fields honoured or refused (docs/gateway.md's field table) ---------------------------------------
 
 BOOKKEEPING = {
     "user": "an end-user id: no effect on the reply",

@@ -13,7 +13,7 @@ Parsing is all or nothing: a reply with one malformed call is plain content, so 
 the client (and the reward) as the text the model wrote. Each format also says
 
 - ``forced_prefix(name)``: the text a reply must begin with to be a call (of ``name``, if given), which
-  the gateway appends to the prompt for tool_choice "required" / a named function (policy_chat);
+  the gateway appends to the prompt for tool_choice "required" / a named function (shaping);
 - ``first_call_end(text)``: where the first complete call ends, for parallel_tool_calls false;
 - ``content_end(text)``: how much of a partial reply is surely content (streaming holds back the rest).
 

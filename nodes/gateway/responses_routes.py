@@ -15,22 +15,28 @@ like its turns: a gateway restarted after a kill -9 resumes the session and a fo
 previous_response_id continues where it was. The admin's own conversations are held in memory only (an
 unknown id after a restart is a 404 saying to send the whole input).
 
-``ResponsesRoutes`` is a mixin of ``app.Gateway``, registered in ``make_app``; it relies on the Gateway's
-``cfg``, ``principal``, ``read_json``, ``routed``, ``complete`` (policy_chat), ``store`` and
-``conversations`` (a ``Conversations``, made in ``Gateway.__init__``).
+``ResponsesRoutes`` holds what it needs (``Keys``, ``PolicyChat``, ``Upstream``, the ``Conversations``,
+the session store, the config, metrics and log) and adds its route with ``register``; ``app.make_app``
+registers each route group under "" and "/gateway". ``Conversations`` is made by the Gateway (which
+hands it the WAL); ``lifecycle`` restores a resumed session's conversations into it.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import OrderedDict
 
 from aiohttp import web
 
+from areal_bus.config.node_configs import GatewayConfig
 from nodes.gateway import responses_api
+from nodes.gateway.keys import Keys
 from nodes.gateway.openai_api import OpenAIError, parse_chat_request
-from nodes.gateway.server import ADMIN, SSE_HEADERS, json_response, sse_reply
-from nodes.gateway.sessions import Session
+from nodes.gateway.policy_chat import PolicyChat
+from nodes.gateway.server import ADMIN, SSE_HEADERS, count_refusal, json_response, read_json, sse_reply
+from nodes.gateway.sessions import Session, SessionStore
+from nodes.gateway.upstream import Upstream
 
 RESPONSES_KEPT_PER_SESSION = 4096
 """Responses whose conversation a session (or the admin) can continue by previous_response_id: more
@@ -136,14 +142,28 @@ class ResponsesLive:
 
 
 class ResponsesRoutes:
-    """POST /v1/responses, served by the Gateway that mixes this class in."""
+    """POST /v1/responses."""
+
+    def __init__(self, cfg: GatewayConfig, keys: Keys, chat: PolicyChat, upstream: Upstream,
+                 conversations: Conversations, store: SessionStore, *, metrics, log):
+        self.cfg = cfg
+        self.keys = keys
+        self.chat = chat
+        self.upstream = upstream
+        self.conversations = conversations
+        self.store = store  # its open sessions: the conversations of ended ones go
+        self.metrics = metrics
+        self.log = log
+
+    def register(self, router: web.UrlDispatcher, prefix: str) -> None:
+        router.add_post(f"{prefix}/v1/responses", self.responses_create)
 
     async def responses_create(self, request: web.Request) -> web.StreamResponse:
         t0 = time.monotonic()
-        who = self.principal(request)
-        body = await self.read_json(request)
+        who = self.keys.principal(request)
+        body = await read_json(request, self.cfg)
         if who is not ADMIN and who.closing:  # the session ended while the body arrived: say how, as a 401
-            who = self.principal(request)
+            who = self.keys.principal(request)
         if not isinstance(body, dict):
             raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_body")
         owner = who.id if isinstance(who, Session) else ""
@@ -158,32 +178,35 @@ class ResponsesRoutes:
             err.param = named
             raise
         stream = bool(body.get("stream"))
-
-        def done(resp: dict) -> None:
-            if body.get("store", True) is False:
-                return
-            try:
-                self.conversations.keep(owner, responses_api.response_id(resp["id"]), parent,
-                                        [*new, resp["choices"][0]["message"]], self.store.sessions)
-            except Exception as exc:  # the WAL's write (disk full, I/O error): the turn is recorded, not this
-                self.log.error("response_not_stored", session=owner or "-", error=repr(exc))
-                raise OpenAIError(503, "The reply was generated and the turn recorded, but its conversation could "
-                                  f"not be stored ({type(exc).__name__}: {exc}), so previous_response_id cannot "
-                                  "continue it; retry sending the whole input.", type="server_error",
-                                  code="store_failed") from None
+        done = functools.partial(self._keep, body, owner, parent, new)  # the reply's conversation, kept
 
         if req.model == self.cfg.policy_model:
             live = ResponsesLive(body, done) if stream else None
-            resp, _ = await self.complete(req, who, t0, live, request)
+            resp, _ = await self.chat.complete(req, who, t0, live, request)
             if live is not None:
                 if live.failed is not None:  # answered on the stream (response.failed): counted here
-                    self.count_refusal(request, live.failed.status, live.failed.code)
+                    count_refusal(self.metrics, self.log, request, live.failed.status, live.failed.code)
                 return live.stream
         else:
-            resp = await self.routed(req.model, chat, t0)
+            resp = await self.upstream.chat(req.model, chat, t0)
         done(resp)
         rid = responses_api.response_id(resp["id"])
         if stream:
             events = responses_api.StreamEvents(body, rid).whole(resp)
             return await sse_reply(request, b"".join(responses_api.format_sse(e, d) for e, d in events))
         return json_response(responses_api.response_object(body, rid, resp))
+
+    def _keep(self, body: dict, owner: str, parent: str | None, new: list[dict], resp: dict) -> None:
+        """Keep the reply's conversation for previous_response_id (unless ``store`` is false), or a 503 if
+        it could not be stored."""
+        if body.get("store", True) is False:
+            return
+        try:
+            self.conversations.keep(owner, responses_api.response_id(resp["id"]), parent,
+                                    [*new, resp["choices"][0]["message"]], self.store.sessions)
+        except Exception as exc:  # the WAL's write (disk full, I/O error): the turn is recorded, not this
+            self.log.error("response_not_stored", session=owner or "-", error=repr(exc))
+            raise OpenAIError(503, "The reply was generated and the turn recorded, but its conversation could "
+                              f"not be stored ({type(exc).__name__}: {exc}), so previous_response_id cannot "
+                              "continue it; retry sending the whole input.", type="server_error",
+                              code="store_failed") from None

@@ -1,10 +1,11 @@
 """The gateway's RL routes: open, inspect, reward and end sessions, the metrics view and /health.
 
-``RLRoutes`` is a mixin of ``app.Gateway`` (``class Gateway(PolicyChat, AnthropicRoutes, RLRoutes)``), which registers its handlers in
-``make_app``; it holds no state of its own and relies on the Gateway's ``cfg``, ``store``, ``admission``,
-``log``, ``metrics``, ``pending``, ``principal``, ``read_json`` and ``end_session``. ``admission()``
-returns ``(ticket, retry_after_s)``: the admitted session's ticket (``Admission.admit``), or None and
-how long to wait. The routes (each also under ``/gateway``; the full table is in ``app``'s docstring)::
+``RLRoutes`` holds what they need, passed by the Gateway: ``Keys``, the session store, the
+``lifecycle.SessionLifecycle`` (which ends sessions), ``admission``, the ``policy_chat.Pending`` count
+(for the metrics view), the config, metrics and log; it adds its routes with ``register``
+(``app.make_app``, under "" and "/gateway"). ``admission()`` returns ``(ticket, retry_after_s)``: the
+admitted session's ticket (``Admission.admit``), or None and how long to wait. The routes (each also
+under ``/gateway``; the full table is in ``app``'s docstring)::
 
     POST /rl/sessions              create_session   admin token: open a session; returns its key
     GET  /rl/sessions/{id}         get_session      admin token or the session key: where it stands
@@ -22,9 +23,13 @@ import sys
 
 from aiohttp import web
 
+from areal_bus.config.node_configs import GatewayConfig
+from nodes.gateway.keys import Keys
+from nodes.gateway.lifecycle import SessionLifecycle
 from nodes.gateway.openai_api import OpenAIError, reward_fields
-from nodes.gateway.server import ADMIN, json_response
-from nodes.gateway.sessions import Session
+from nodes.gateway.policy_chat import Pending
+from nodes.gateway.server import ADMIN, json_response, read_json
+from nodes.gateway.sessions import Session, SessionStore
 
 MAX_META_BYTES = 16384
 """Largest session ``meta`` (as JSON): it rides on every trajectory of the session to the trainer, and
@@ -35,13 +40,32 @@ MAX_GROUP_ID_CHARS = 256
 
 
 class RLRoutes:
-    """The /rl/* session routes and /health, served by the Gateway that mixes this class in."""
+    """The /rl/* session routes and /health."""
+
+    def __init__(self, cfg: GatewayConfig, keys: Keys, store: SessionStore, lifecycle: SessionLifecycle, *,
+                 admission=None, pending: Pending, metrics, log):
+        self.cfg = cfg
+        self.keys = keys
+        self.store = store
+        self.lifecycle = lifecycle
+        self.admission = admission
+        self.pending = pending
+        self.metrics = metrics
+        self.log = log
+
+    def register(self, router: web.UrlDispatcher, prefix: str) -> None:
+        router.add_post(f"{prefix}/rl/sessions", self.create_session)
+        router.add_get(f"{prefix}/rl/sessions/{{sid}}", self.get_session)
+        router.add_post(f"{prefix}/rl/sessions/{{sid}}/reward", self.reward_session)
+        router.add_post(f"{prefix}/rl/sessions/{{sid}}/end", self.end)
+        router.add_get(f"{prefix}/rl/metrics", self.metrics_view)
+        router.add_get(f"{prefix}/health", self.health)
 
     async def create_session(self, request: web.Request) -> web.Response:
-        if self.principal(request) is not ADMIN:
+        if self.keys.principal(request) is not ADMIN:
             raise OpenAIError(403, "Opening a session needs the admin token ($AREAL_BUS_ADMIN_TOKEN), not a "
                               "session key.", code="forbidden")
-        body = await self.read_json(request) or {}
+        body = await read_json(request, self.cfg) or {}
         if not isinstance(body, dict):
             raise OpenAIError(400, "The body must be a JSON object (or empty).", code="invalid_body")
         meta, group_id = body.get("meta", {}), body.get("group_id", "")
@@ -77,7 +101,7 @@ class RLRoutes:
 
     def _session_for(self, request: web.Request) -> Session:
         """The session named in the path, for the admin or that session's own key."""
-        who = self.principal(request)
+        who = self.keys.principal(request)
         sid = request.match_info["sid"]
         session = self.store.get(sid)
         if who is not ADMIN and (session is None or who is not session):
@@ -99,7 +123,7 @@ class RLRoutes:
 
     async def reward_session(self, request: web.Request) -> web.Response:
         session = self._session_for(request)
-        value, index = self._reward(session, await self.read_json(request))
+        value, index = self._reward(session, await read_json(request, self.cfg))
         return json_response({"session_id": session.id, "completion_index": index, "reward": value,
                               "discount": session.discount})
 
@@ -116,20 +140,20 @@ class RLRoutes:
 
     async def end(self, request: web.Request) -> web.Response:
         session = self._session_for(request)
-        body = await self.read_json(request)
+        body = await read_json(request, self.cfg)
         if body:  # optional: a last reward ({"reward": ..., "completion_index"?: ..., "discount"?: ...})
             self._reward(session, body)
-        trajs = await self.end_session(session, "ended")
+        trajs = await self.lifecycle.end_session(session, "ended")
         return json_response({"session_id": session.id, "trajectories": [t.traj_id for t in trajs],
                               "completions": session.completions})
 
     async def metrics_view(self, request: web.Request) -> web.Response:
-        if self.principal(request) is not ADMIN:
+        if self.keys.principal(request) is not ADMIN:
             raise OpenAIError(403, "The metrics need the admin token, not a session key.", code="forbidden")
         counters, gauges, _ = self.metrics.snapshot()
         # python.blocks: the interpreter's live allocations, a count no allocator arena blurs (RSS does),
         # so a leak of Python objects shows as growth between quiet moments.
-        gauges.update({"sessions.open": len(self.store.sessions), "http.pending": self.pending,
+        gauges.update({"sessions.open": len(self.store.sessions), "http.pending": self.pending.count,
                        "python.blocks": sys.getallocatedblocks()})
         return json_response({"counters": counters, "gauges": gauges})
 

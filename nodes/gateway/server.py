@@ -1,11 +1,13 @@
-"""The gateway's HTTP plumbing: JSON responses, the error middleware, and binding the server to its port.
+"""The gateway's HTTP plumbing: reading a request's JSON body, JSON and SSE replies, the error middleware
+and its refusal counts, and binding the server to its port.
 
-``app`` (the Gateway and its routes) and ``rl_routes`` build on what is here; ``app`` re-exports the
-public names (``json_response``, ``start_server``, ``bound_port``, ``GatewayStartError``, ``GATEWAY``), so
-callers import them from ``nodes.gateway.app`` as before. This module never imports ``app``: the
-middleware reaches the Gateway through ``request.app[GATEWAY]`` (its ``metrics``, ``log`` and
-``count_refusal``).
+Every route group (``openai_routes``, ``anthropic_routes``, ``responses_routes``, ``completions_routes``,
+``rl_routes``) builds on what is here; ``app`` re-exports the public names (``json_response``,
+``start_server``, ``bound_port``, ``GatewayStartError``, ``GATEWAY``), so callers import them from
+``nodes.gateway.app`` as before. This module never imports ``app``: the middleware reaches the Gateway
+through ``request.app[GATEWAY]`` (its ``metrics`` and ``log``).
 
+    data = await read_json(request, cfg)              # the body as JSON (None if empty), or a 4xx
     app = make_app(cfg, backend, tokenizer)           # nodes.gateway.app; installs the _errors middleware
     runner = await start_server(app, cfg)             # binds host:port; GatewayStartError if it cannot
     port = bound_port(runner)                         # the port picked, when cfg.port is 0
@@ -19,16 +21,17 @@ import json
 from typing import TYPE_CHECKING
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from nodes.gateway import anthropic_api
-from nodes.gateway.guard import ProtocolLog
+from nodes.gateway.guard import MAX_JSON_DEPTH, ProtocolLog, check_json, too_deep
 from nodes.gateway.openai_api import OpenAIError, error_body
 
 if TYPE_CHECKING:
     from areal_bus.config.node_configs import GatewayConfig
 
-try:  # optional: a JSON codec several times faster than json's, on every response body
+try:  # optional: a JSON codec several times faster than json's, on every request and response body
     import orjson
 except ImportError:
     orjson = None
@@ -39,7 +42,7 @@ class GatewayStartError(RuntimeError):
 
 
 GATEWAY = web.AppKey("gateway", object)
-"""``app[GATEWAY]``: the Gateway behind an application (its store, backend and renderer)."""
+"""``app[GATEWAY]``: the Gateway behind an application (its store, metrics, log and route groups)."""
 
 ADMIN = object()
 """The principal of a request made with the admin token."""
@@ -55,6 +58,57 @@ def json_response(data, status: int = 200, headers: dict | None = None) -> web.R
     else:
         body = json.dumps(data).encode()
     return web.Response(body=body, status=status, headers=headers, content_type="application/json", charset="utf-8")
+
+
+async def read_json(request: web.Request, cfg: GatewayConfig):
+    """The request's body as JSON (None if empty), or the 4xx that says why not: too slow to arrive
+    (``cfg.body_timeout_s``), too large (``cfg.max_body_bytes``), broken framing, not JSON, nested too
+    deep, or holding a string that is not text."""
+    try:
+        raw = await asyncio.wait_for(request.read(), cfg.body_timeout_s)
+    except TimeoutError:
+        # The rest of the body is not wanted: marked ended, aiohttp does not linger reading it after
+        # the 408 (whose reply closes the connection: _errors).
+        request.content.feed_eof()
+        raise OpenAIError(408, f"The request body did not arrive within {cfg.body_timeout_s:g} s "
+                          f"(body_timeout_s in the gateway config).", code="body_timeout") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise OpenAIError(413, f"Request body is larger than the gateway's limit of {cfg.max_body_bytes} "
+                          f"bytes (max_body_bytes in the gateway config).", code="request_too_large") from None
+    except (HttpProcessingError, web.RequestPayloadError) as exc:  # a body breaking its framing (chunks, gzip)
+        raise OpenAIError(400, f"The request body could not be read ({type(exc).__name__}).",
+                          code="bad_body") from None
+    except (ConnectionError, asyncio.IncompleteReadError):  # the client left mid-body: nobody to answer
+        raise OpenAIError(400, "The request body ended before its length.", code="incomplete_body") from None
+    if not raw:
+        return None
+    if orjson is not None:
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:  # what json accepts besides (NaN, huge ints) or the error it names
+            pass
+        else:  # orjson's strings are valid UTF-8; only the nesting needs a look, and only when it could be deep
+            if raw.count(b"{") + raw.count(b"[") > MAX_JSON_DEPTH:
+                check_json(data, strings=False)
+            return data
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise too_deep() from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise OpenAIError(400, f"We could not parse the JSON body of your request ({exc}). The body must be "
+                          f"a JSON object.", code="invalid_json") from None
+    check_json(data, strings=True)  # json.loads takes "\ud800" (a lone surrogate: no text) where orjson does not
+    return data
+
+
+def count_refusal(metrics, log, request: web.Request, status: int, reason: str) -> None:
+    """A refused request, counted in ``metrics`` as ``http.rejected.<reason>`` (a 4xx) or
+    ``http.failed.<reason>`` (a 5xx), and logged with its route."""
+    kind = "rejected" if status < 500 else "failed"
+    metrics.inc(f"http.{kind}")
+    metrics.inc(f"http.{kind}.{reason}")
+    log.info("request_refused", route=request.path, status=status, code=reason)
 
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -76,14 +130,14 @@ async def sse_reply(request: web.Request, data: bytes) -> web.StreamResponse:
 @web.middleware
 async def _errors(request: web.Request, handler):
     """Every error in the API's own shape: Anthropic's under /messages, OpenAI's everywhere else; each
-    counted by reason (Gateway.count_refusal)."""
+    counted by reason (count_refusal)."""
     gw = request.app[GATEWAY]
     gw.metrics.inc("http.requests")
     anthropic = request.path.rstrip("/").endswith("/messages") or "/messages/" in request.path
     try:
         return await handler(request)
     except OpenAIError as err:
-        gw.count_refusal(request, err.status, _reason(err))
+        count_refusal(gw.metrics, gw.log, request, err.status, _reason(err))
         if err.status == 408:  # the body did not arrive in time: what is left of it is not worth reading
             resp = json_response(err.body(), status=err.status, headers=err.headers)
             resp.force_close()
@@ -93,7 +147,7 @@ async def _errors(request: web.Request, handler):
                                  headers=err.headers)
         return json_response(err.body(), status=err.status, headers=err.headers)
     except anthropic_api.AnthropicError as err:
-        gw.count_refusal(request, err.status, err.code)
+        count_refusal(gw.metrics, gw.log, request, err.status, err.code)
         return json_response(err.body, status=err.status, headers=err.headers)
     except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
         if exc.status < 400:
@@ -103,7 +157,7 @@ async def _errors(request: web.Request, handler):
                    405: f"Method {request.method} is not allowed on {request.path}.",
                    413: "Request body too large."}.get(exc.status, exc.reason)
         code = {404: "unknown_url", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
-        gw.count_refusal(request, exc.status, code or f"http_{exc.status}")
+        count_refusal(gw.metrics, gw.log, request, exc.status, code or f"http_{exc.status}")
         headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         if anthropic:
             return json_response(anthropic_api.error_body(exc.status, message), status=exc.status, headers=headers)
@@ -208,7 +262,7 @@ async def start_server(app: web.Application, cfg: GatewayConfig) -> web.AppRunne
     """Listen on cfg.host:cfg.port (``bound_port(runner)`` says which, for port 0). GatewayStartError
     with what to do if the port is taken or the address is wrong. A request head not complete within
     ``cfg.header_timeout_s`` closes its connection (counted as http.rejected.header_timeout); the body's
-    deadline (``cfg.body_timeout_s``) is kept where it is read (``app.Gateway.read_json``)."""
+    deadline (``cfg.body_timeout_s``) is kept where it is read (``read_json``)."""
     gw = app[GATEWAY]
     runner = web.AppRunner(app, access_log=None, handle_signals=False, logger=ProtocolLog(gw.metrics, gw.log))
     await runner.setup()

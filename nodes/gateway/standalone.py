@@ -55,6 +55,8 @@ def trajectory_line(traj) -> str:
 
 
 async def serve(args, log) -> None:
+    # lazy: tests and benchmarks import Child from here into their own process, which must stay free of
+    # torch, the engine and the gateway's app (they run in the child only)
     import torch
 
     from areal_bus.engines.torch_engine import TorchRolloutEngine
@@ -165,7 +167,7 @@ def main(argv=None) -> int:
     if len(os.environ.get("AREAL_BUS_ADMIN_TOKEN", "")) < 8:
         print("standalone gateway: export AREAL_BUS_ADMIN_TOKEN (8+ characters) first", file=sys.stderr)
         return 2
-    from areal_bus.runtime.logs import setup_logging
+    from areal_bus.runtime.logs import setup_logging  # lazy: as serve's imports, kept out of Child's importers
 
     log = setup_logging("gateway", args.log_dir, node="gateway-standalone")
     import uvloop

@@ -18,8 +18,8 @@ Run: areal-bus node rollout --topology topology/default.yaml --replica 0
 
 from __future__ import annotations
 
+from nodes.rollout.node import run as run_node
+
 
 def run(topo, replica: int = 0, base=None) -> int:
-    from nodes.rollout.node import run as run_node
-
     return run_node(topo, replica, base)

@@ -2,7 +2,7 @@
 new version to the weight broadcaster.
 
 The pieces: ``core.TrainerCore`` (no sockets) decides (batch forming, stale drop, duplicate
-suppression, spool-before-ack, checkpoint-covers-then-prune) and ``core.TrainQueue`` holds the
+suppression, spool-before-ack, checkpoint-covers-then-prune) and ``queue.TrainQueue`` holds the
 buffer; ``recovery`` plans where a process starts; ``wiring.TrainerIO`` does what the core says, with
 the update on a compute thread; the engine (sim, torch, parallel torch) is
 ``areal_bus.engines.train_engine.build_train_engine``'s.
@@ -34,11 +34,11 @@ from areal_bus.wire import messages as m
 from areal_bus.constants import HEARTBEAT_INTERVAL_S
 from areal_bus.engines.train_engine import build_train_engine
 from areal_bus.runtime.node import NodeShell
-from areal_bus.launch.run import RESUME_ENV
-from areal_bus.launch.runend import outcome_path, write_outcome
+from areal_bus.runtime.outcome import RESUME_ENV, outcome_path, write_outcome
 from areal_bus.runtime.spool import Spool
 from areal_bus.trajectory_check import reason_code
-from nodes.trainer.core import QUARANTINE_CODES, TrainerCore, TrainQueue
+from nodes.trainer.core import QUARANTINE_CODES, TrainerCore
+from nodes.trainer.queue import TrainQueue
 from nodes.trainer.recovery import Start, UnfinishedRun, plan_start, resume_state, supervisor_instance, write_run_state
 from nodes.trainer.wiring import TrainerIO
 
