@@ -5,7 +5,7 @@ high-water mark.
 """
 
 # Wire -----------------------------------------------------------------------------------------
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 """Bumped on any incompatible change to the envelope or a message's fields. A frame carrying another
 version is dropped and counted (never guessed at), so mixed deployments fail loudly in metrics."""
 

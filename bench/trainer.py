@@ -36,6 +36,15 @@ the same random float32 weights (a Hugging Face folder written once per shape).
             gc.collect() and gc.freeze(): what the warm-up made left out of later collections).
             Micro-batches are padded as the engine does (--pad-tokens: micro_batch_pad_tokens).
 
+--lora RANK: every engine path trains LoRA adapters of that rank (alpha 2 x RANK: scale 2) on all seven
+projections of each layer (trainer_engine.lora: the base frozen in bf16, the adapters float32 with AdamW;
+compute_copy then makes no copy, so engine:compute_copy and engine:autocast run the same), to measure
+tokens/s and peak GiB beside a full fine-tuning run of the same paths (run the script twice, with and
+without it). baseline and old paths ignore it. The LoRA rows' MFU counts what LoRA computes, not 6 N:
+forward 2 N_base per token plus the adapters, backward 2 N_base per token (the activations' gradients
+flow through the frozen base; no weight gradient is made for it) plus the adapters' 4 per parameter
+(``train_model.train_flops(adapter=...)``); attention and the head's tokens as below.
+
 FLOPs (for MFU): 6 N per token (forward + backward, N = parameters with the tied embedding once as the
 lm_head matmul, which is counted on the loss's tokens only: the prompts' log-probabilities are no work
 the update needs, and since 2026-12-04 the engine computes none; tables before that date counted the
@@ -53,6 +62,7 @@ Run:  mkdir -p /tmp/old && git archive 7adbcb8 areal_bus | tar -x -C /tmp/old
       python3 bench/trainer.py --shapes 0.5b --paths engine:autocast,engine:compute_copy --profile
       .venv/bin/python bench/trainer.py --device cpu --shapes tiny --update-tokens 4000 --steps 1 \
           --median 300 --max-len 600 --old-tree /tmp/old            (checks the script, ~3 min)
+      python3 bench/trainer.py --shapes 0.5b,1.5b --paths engine:autocast --lora 16   (LoRA; then without)
 """
 
 from __future__ import annotations
@@ -93,6 +103,18 @@ SHAPES = {
     "0.5b": QWEN2_0_5B,
     "1.5b": {**QWEN2_0_5B, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
              "num_attention_heads": 12, "num_key_value_heads": 2},
+    # Qwen2.5-3B and -7B (random weights at the real shapes, as the others)
+    "3b": {**QWEN2_0_5B, "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+           "num_attention_heads": 16, "num_key_value_heads": 2},
+    "7b": {**QWEN2_0_5B, "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+           "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False},
+    # Llama-3.1-8B: llama3 rope scaling, untied head, 128k vocabulary
+    "8b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+           "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192},
+           "bos_token_id": 128000, "eos_token_id": 128009},
 }
 
 
@@ -185,6 +207,7 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
     prox = "loglinear" if "loglinear" in flags else "recompute"
     # Today's schema's defaults under the fields set here, so a knob added to the engine later reads its
     # default instead of failing here (the old tree's engine reads the explicit ones).
+    from areal_bus.config.engines import LoraConfig
     from areal_bus.config.topology import StalenessConfig, TorchTrainerEngineConfig
 
     return SimpleNamespace(
@@ -196,7 +219,8 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
             micro_batch_tokens=args.micro_tokens, logit_chunk_tokens=8192 if "chunk8k" in flags else 4096,
             micro_batch_pad_tokens=pads[0] if pads else args.pad_tokens, prox_logp_method=prox,
             logit_grad_keep_gib=keep, gradient_checkpointing=args.checkpointing,
-            mixed_precision=mp or "compute_copy", compile="compile" in flags, eval_interval=0)}),
+            mixed_precision=mp or "compute_copy", compile="compile" in flags, eval_interval=0,
+            lora=LoraConfig(rank=args.lora, alpha=2 * args.lora) if args.lora else None)}),
         model=SimpleNamespace(device=str(device), dtype="bfloat16" if device.type == "cuda" else args.cpu_dtype,
                               seed=0, threads=1),
         rollout_engine=SimpleNamespace(temperature=1.0),
@@ -221,7 +245,8 @@ class EnginePath:
         from areal_bus.engines.torch_train import TorchTrainEngine
 
         self.args, self.device, self.variant = args, device, variant
-        self.engine = TorchTrainEngine(bench_topology(args, device, 1, variant), args.model_dir, device=device)
+        lora = {"base_model": args.model_dir} if args.lora and not old else {}  # (the old tree has no LoRA)
+        self.engine = TorchTrainEngine(bench_topology(args, device, 1, variant), args.model_dir, device=device, **lora)
         self.model = self.engine.model
 
     def update(self, samples: list[dict]) -> float:
@@ -313,6 +338,8 @@ def measure(name: str, cfg: dict, updates, args, device) -> dict:
     tokens = sum(s["ids"].size for u in timed for s in u)
     sq = sum(int(s["ids"].size) ** 2 for u in timed for s in u)
     n_params = sum(p.numel() for p in engine.model.parameters())  # a tied embedding once
+    # LoRA: the frozen base's parameters and the adapters' (trainable) apart, as train_flops counts them
+    adapter = sum(p.numel() for p in engine.model.parameters() if p.requires_grad) if args.lora else 0
     # The proximal forward is counted for the samples outside each update's first mini-batch only: today's
     # engine takes the first one's from its training forward, so the old engines' extra pass is not work.
     later = [s for u in timed for i, s in enumerate(u) if i not in first_mini_batch(engine, u, args.mini_batches)]
@@ -321,7 +348,8 @@ def measure(name: str, cfg: dict, updates, args, device) -> dict:
     proximal = (sum(s["ids"].size for s in later), sum(int(s["ids"].size) ** 2 for s in later))
     loss_tokens = lambda samples: sum(int((s["mask"][1:] != 0).sum()) for s in samples)  # a sample's first: none
     head = (cfg["vocab_size"] * cfg["hidden_size"], loss_tokens([s for u in timed for s in u]), loss_tokens(later))
-    flops = train_flops(n_params, cfg["num_hidden_layers"], cfg["hidden_size"], tokens, sq, proximal, head)
+    flops = train_flops(n_params - adapter, cfg["num_hidden_layers"], cfg["hidden_size"], tokens, sq, proximal, head,
+                        adapter=adapter)
     if "+fa4" in name:
         kernels.append(fa4_kernels())
     secs = sum(times)
@@ -432,6 +460,8 @@ def main() -> int:
     ap.add_argument("--attn", default=VARLEN, help=f"engine: trainer_engine.attn_implementation ({VARLEN}: "
                     f"FlashAttention varlen, areal_bus/train/train_model.py; or sdpa, flex_attention)")
     ap.add_argument("--checkpointing", action="store_true", help="engine: trainer_engine.gradient_checkpointing")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK", help="engine: trainer_engine.lora of this rank, "
+                    "alpha 2 x RANK, all seven projections (0: full fine-tuning)")
     ap.add_argument("--profile", action="store_true", help="print each path's torch profile of its first timed update")
     ap.add_argument("--trace", default=None, help="with --profile (one path): write the chrome trace of the profiled "
                     "update to this file (read it with bench/trace_summary.py)")
@@ -462,7 +492,8 @@ def main() -> int:
     print(f"# bench/trainer.py {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
           f"updates of ~{args.update_tokens} tokens in {args.mini_batches} mini-batches, lengths lognormal median "
-          f"{args.median:g} in {args.min_len}..{args.max_len}, attn {args.attn}, checkpointing {args.checkpointing}",
+          f"{args.median:g} in {args.min_len}..{args.max_len}, attn {args.attn}, checkpointing {args.checkpointing}"
+          + (f", LoRA rank {args.lora} alpha {2 * args.lora}" if args.lora else ", full fine-tuning"),
           flush=True)
     print(f"{'shape':6} {'path':30} {'tokens/s':>9} {'MFU':>6} {'s/update':>8} {'1st s':>6} {'peak GiB':>8} "
           f"{'loss':>8} {'vs 1st':>7}", flush=True)

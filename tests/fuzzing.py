@@ -49,8 +49,13 @@ def sample(cls, n: int = 3):
     fields in messages.py are covered without touching this file."""
     hints = typing.get_type_hints(cls)
     arrays = set(getattr(cls, "ARRAYS", ()))
+    kinds = getattr(cls, "ARRAY_KINDS", {})
     kwargs = {}
     for f in dataclasses.fields(cls):
+        if f.name in kinds:  # an array of a fixed dtype and rank
+            dtype, rank = kinds[f.name]
+            kwargs[f.name] = np.arange(n * 2 ** (rank - 1), dtype=dtype).reshape((n,) + (2,) * (rank - 1))
+            continue
         if f.name in arrays:
             kwargs[f.name] = np.arange(n, dtype=np.int32)
             continue
@@ -289,12 +294,17 @@ class Mutator:
         msg = sample(cls)
         hints = typing.get_type_hints(cls, include_extras=True)
         arrays = set(getattr(cls, "ARRAYS", ()))
+        kinds = getattr(cls, "ARRAY_KINDS", {})
         for f in dataclasses.fields(cls):
             if r.random() < 0.4:
                 continue
             if f.name in arrays:
+                shapes = ((0,), (r.randrange(1, 20),), (2, 3), (1, 1, 2), (0, 4))
                 dt = r.choice(list(DTYPES.values()))
-                shape = r.choice(((0,), (r.randrange(1, 20),), (2, 3), (1, 1, 2), (0, 4)))
+                if f.name in kinds:  # its dtype and rank are fixed: only the sizes may be odd
+                    dt = DTYPES[kinds[f.name][0]]
+                    shapes = tuple(s for s in shapes if len(s) == kinds[f.name][1])
+                shape = r.choice(shapes)
                 setattr(msg, f.name, np.full(shape, r.choice((-1, 0, 1, 127)), dtype=np.int64).astype(dt))
             else:
                 setattr(msg, f.name, self._odd(hints[f.name]))

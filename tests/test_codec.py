@@ -134,6 +134,74 @@ def test_dtype_that_cannot_cross_the_wire_is_refused_at_encode(make_traj):
         Encoder("rollout-0").encode(bad)
 
 
+# -- sampling options and top logprobs ------------------------------------------------------------
+
+def _completion(n=3, k=2):
+    return m.Completion(request_id="r", episode_id="e", ticket=0, worker="w",
+                        output_ids=np.arange(n, dtype=np.int32), logprobs=-np.arange(n, dtype=np.float32),
+                        versions=np.zeros(n, np.int32), finish_reason="stop",
+                        top_ids=np.arange(n * k, dtype=np.int32).reshape(n, k),
+                        top_logprobs=-np.arange(n * k, dtype=np.float32).reshape(n, k))
+
+
+def test_a_requests_grammar_top_logprobs_seed_and_top_k_round_trip():
+    sent = m.GenerateRequest(request_id="r", episode_id="e", ticket=0, min_version=0, max_tokens=4, temperature=1.0,
+                             prompt_ids=np.arange(3, dtype=np.int32), grammar='root ::= "{" [a-z]* "}"',
+                             top_logprobs=m.MAX_TOP_LOGPROBS, seed=2**63 - 1, top_k=40)
+    _, got = decode(_frames(sent))
+    assert (got.grammar, got.top_logprobs, got.seed, got.top_k) == (sent.grammar, 20, 2**63 - 1, 40)
+    _, plain = decode(_frames(m.GenerateRequest("r", "e", 0, 0, 4, 1.0, np.arange(3, dtype=np.int32))))
+    assert (plain.grammar, plain.top_logprobs, plain.seed, plain.top_k) == ("", 0, -1, 0)
+
+
+def test_top_ids_and_top_logprobs_round_trip_in_completions_and_partials():
+    for sent in (_completion(), m.PartialCompletion("r", 5, np.arange(3, dtype=np.int32),
+                                                    np.ones((3, 4), np.int32), np.zeros((3, 4), np.float32))):
+        _, got = decode(_frames(sent))
+        for name in ("top_ids", "top_logprobs"):
+            a, b = getattr(got, name), getattr(sent, name)
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    _, empty = decode(_frames(m.PartialCompletion("r", 0, np.arange(2, dtype=np.int32))))
+    assert empty.top_ids.shape == empty.top_logprobs.shape == (0, 0)
+
+
+def _top_ids_meta(edit):
+    frames = _frames(_completion())
+    header = msgpack.unpackb(frames[0])
+    edit(header[4][3], frames)  # [name, dtype, shape] of top_ids, and the frames (top_ids is frames[4])
+    return [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+
+
+@pytest.mark.parametrize("edit,reason", [
+    (lambda meta, fr: meta.__setitem__(1, "float32"), "bad_array_kind"),  # same bytes, another dtype
+    (lambda meta, fr: meta.__setitem__(2, [6]), "bad_array_kind"),  # the same ids, flattened
+    (lambda meta, fr: meta.__setitem__(2, [3, 3]), "array_size"),  # wider than its bytes
+    (lambda meta, fr: fr.__setitem__(4, fr[4][:-4]), "array_size"),
+    (lambda meta, fr: meta.__setitem__(0, "top_logprobs"), "bad_array_meta"),
+], ids=["float_ids", "one_dimensional", "shape_past_its_bytes", "truncated", "misnamed"])
+def test_a_malformed_top_ids_array_is_a_decode_error(edit, reason):
+    with pytest.raises(DecodeError) as err:
+        decode(_top_ids_meta(edit))
+    assert err.value.reason == reason
+
+
+def test_top_logprobs_out_of_range_are_a_decode_error():
+    frames = _frames(m.GenerateRequest("r", "e", 0, 0, 4, 1.0, np.arange(3, dtype=np.int32)))
+    for field, value in (("top_logprobs", 21), ("seed", -2), ("top_k", -1)):
+        header = msgpack.unpackb(frames[0])
+        header[3][field] = value
+        with pytest.raises(DecodeError) as err:
+            decode([msgpack.packb(header, use_bin_type=True), *frames[1:]])
+        assert err.value.reason == "out_of_range", field
+
+
+def test_top_arrays_of_another_dtype_or_rank_are_refused_at_encode():
+    bad = _completion()
+    bad.top_ids = bad.top_ids.reshape(-1)
+    with pytest.raises(TypeError, match="top_ids: 1-d int32, must be 2-d int32"):
+        Encoder("rollout-0").encode(bad)
+
+
 # -- pickle is never unpickled --------------------------------------------------------------------
 
 class _Exploit:

@@ -186,9 +186,17 @@ def test_sampling_fields_translate():
     assert out["stop"] == ["\n\nHuman:"] and out["user"] == "session-7"
 
 
+def test_top_k_output_format_and_a_strict_tool_translate():
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    out = to_openai_request(request(top_k=40, output_config={"effort": "high", "format": {
+        "type": "json_schema", "schema": schema}}, tools=[{**WEATHER, "strict": True}]))
+    assert out["top_k"] == 40 and out["tools"][0]["function"]["strict"] is True
+    assert out["response_format"] == {"type": "json_schema",
+                                      "json_schema": {"name": "output", "schema": schema, "strict": True}}
+
+
 @pytest.mark.parametrize("extra, field", [
-    ({"top_k": 40}, "top_k"),
-    ({"output_config": {"effort": "high", "format": {"type": "json_schema", "schema": {}}}}, "output_config.format"),
+    ({"output_config": {"effort": "high", "verbosity": "low"}}, "output_config.verbosity"),
     ({"mcp_servers": []}, "mcp_servers"),
     ({"some_future_field": 1}, "some_future_field"),
 ])

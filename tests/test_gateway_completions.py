@@ -113,12 +113,12 @@ def test_a_stream_adds_up_to_the_same_text_then_usage_then_done(gateway):
 
 REFUSED = [
     ("echo", {"echo": True}, "echo"),
-    ("top_logprobs", {"logprobs": 2}, "logprobs"),
+    ("top_logprobs", {"logprobs": 21}, "logprobs"),
     ("suffix", {"suffix": "x"}, "suffix"),
     ("best_of", {"best_of": 3}, "best_of"),
     ("penalty", {"presence_penalty": 0.5}, "presence_penalty"),
     ("logit_bias", {"logit_bias": {"40": 5}}, "logit_bias"),
-    ("seed", {"seed": 7}, "seed"),
+    ("seed", {"seed": -1}, "seed"),
     ("unknown", {"extra_body": {"frobnicate": 1}}, "frobnicate"),
     ("id_past_vocab", {"prompt": [40, 10 ** 6]}, "prompt"),
     ("empty", {"prompt": []}, "prompt"),

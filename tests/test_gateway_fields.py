@@ -156,10 +156,6 @@ def test_parallel_tool_calls_false_returns_and_records_only_the_first_call(gatew
 # -- refused: a 400 naming the field, and nothing lost ----------------------------------------------------
 
 REFUSED = [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}),
-    ("top_logprobs", 2),
-    ("seed", 7),
     ("frequency_penalty", 0.5),
     ("presence_penalty", -0.5),
     ("logit_bias", {"42": 5}),
@@ -194,9 +190,9 @@ def test_a_field_the_gateway_cannot_honour_is_a_400_naming_it_and_the_session_lo
     {"response_format": {"type": "text"}}, {"top_logprobs": 0, "logprobs": True}, {"frequency_penalty": 0},
     {"presence_penalty": 0}, {"logit_bias": {}}, {"parallel_tool_calls": True, "tools": [WEATHER]},
     {"user": "u1", "metadata": {"k": "v"}, "store": True, "service_tier": "auto", "prompt_cache_key": "c",
-     "safety_identifier": "s"},
+     "safety_identifier": "s"}, {"modalities": ["text"]},
 ], ids=["format-text", "top_logprobs-0", "frequency-0", "presence-0", "logit_bias-empty", "parallel-true",
-        "bookkeeping"])
+        "bookkeeping", "modalities-text"])
 def test_a_no_op_value_and_bookkeeping_fields_are_served(gateway, fields):
     gw = gateway(backend=ScriptedBackend(["fine"]))
     r = gw.client().chat.completions.create(model=POLICY, messages=ASK, extra_body=fields)
@@ -211,8 +207,18 @@ def test_a_no_op_value_and_bookkeeping_fields_are_served(gateway, fields):
     ({"tool_choice": {"type": "function"}, "tools": [WEATHER]}, "tool_choice"),
     ({"tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice"),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
-], ids=["required-no-tools", "named-no-tools", "named-unknown", "named-no-name", "unknown-string", "top-21"])
-def test_a_tool_choice_that_cannot_be_met_is_a_400_naming_it(gateway, body, param):
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**63}, "seed"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {}, "extra": 1}}},
+     "response_format.json_schema.extra"),
+], ids=["required-no-tools", "named-no-tools", "named-unknown", "named-no-name", "unknown-string", "top-21",
+        "top-without-logprobs", "seed-negative", "seed-too-big", "format-unknown", "format-no-schema",
+        "format-no-name", "format-unknown-key"])
+def test_a_tool_choice_or_a_value_that_cannot_be_met_is_a_400_naming_it(gateway, body, param):
     gw = gateway(backend=ScriptedBackend([]))
     r = gw.post("/v1/chat/completions", {"model": POLICY, "messages": ASK, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -272,8 +278,10 @@ def test_anthropic_disable_parallel_tool_use_returns_one_tool_use(gateway, choic
 
 
 @pytest.mark.parametrize("extra, named", [
-    ({"top_k": 5}, "top_k"),
-    ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config.format"),
+    ({"top_k": -1}, "top_k"),
+    ({"output_config": {"format": {"type": "xml", "schema": {}}}}, "output_config.format"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "string", "not": {}}}}},
+     "output_config.format.schema.not"),
     ({"container": "c1"}, "container"),
     ({"mcp_servers": []}, "mcp_servers"),
     ({"no_such_field": 1}, "no_such_field"),
@@ -285,7 +293,7 @@ def test_anthropic_disable_parallel_tool_use_returns_one_tool_use(gateway, choic
     ({"messages": [{"role": "user", "content": [{"type": "image",
                                                  "source": {"type": "url", "url": "http://x/y.png"}}]}]},
      "messages.0.content.0"),
-], ids=["top_k", "output_format", "container", "mcp_servers", "unknown", "any-no-tools", "tool-unknown",
+], ids=["top_k", "output_format", "output_schema", "container", "mcp_servers", "unknown", "any-no-tools", "tool-unknown",
         "context-edit", "inference_geo", "server-tool", "image"])
 def test_an_anthropic_field_the_gateway_cannot_honour_is_a_400_naming_it(gateway, extra, named):
     gw = gateway(backend=ScriptedBackend(["fine"]))

@@ -54,7 +54,8 @@ def policy():
 def torch_backend(max_batch: int = 32, max_len: int = 512) -> LocalEngineBackend:
     from areal_bus.engines.torch_engine import TorchRolloutEngine
 
-    return LocalEngineBackend(TorchRolloutEngine(policy(), max_batch=max_batch, max_len=max_len), keep_history=True)
+    return LocalEngineBackend(TorchRolloutEngine(policy(), max_batch=max_batch, max_len=max_len, tokenizer=tokenizer()),
+                              keep_history=True)
 
 
 class ScriptedBackend:

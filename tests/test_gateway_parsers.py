@@ -253,8 +253,8 @@ def test_a_random_family_model_streams_its_unstreamed_reply_and_records_exactly_
     from nodes.gateway.chat import ChatRenderer
 
     tok = family_tokenizer(family)
-    backend = LocalEngineBackend(TorchRolloutEngine(family_model(family, tok), max_batch=2, max_len=1024),
-                                 keep_history=True)
+    backend = LocalEngineBackend(TorchRolloutEngine(family_model(family, tok), max_batch=2, max_len=1024,
+                                                    tokenizer=tok), keep_history=True)
     gw = family_gateway(tok, backend, max_context_tokens=1024)
     named = {"type": "function", "function": {"name": "get_weather"}}
     kw = dict(model=POLICY, messages=ASK, tools=[WEATHER], tool_choice=named, temperature=0, max_tokens=24)

@@ -242,9 +242,11 @@ def test_streamed_reasoning_is_its_own_output_item_before_the_message():
 
 def test_text_format_and_logprobs_go_through_the_chat_paths_rules_named_as_responses_fields(gateway):
     gw = gateway()
-    with pytest.raises(openai.BadRequestError) as err:  # no guided decoding on these engines: refused, not ignored
-        gw.client().responses.create(model=POLICY, input=GAME, text={"format": {"type": "json_object"}})
-    assert err.value.body["param"] == "text.format" and "'text.format'" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:  # a keyword the grammar cannot apply: refused, not ignored
+        gw.client().responses.create(model=POLICY, input=GAME, text={"format": {
+            "type": "json_schema", "name": "w", "schema": {"type": "array", "uniqueItems": True}}})
+    assert err.value.body["param"] == "text.format.schema.uniqueItems"
+    assert "'text.format.schema'" in err.value.body["message"]
     r = gw.client().responses.create(model=POLICY, input=TEN, temperature=0, include=["message.output_text.logprobs"])
     comp = gw.backend.history[-1][1]
     got = r.output[0].content[0].logprobs

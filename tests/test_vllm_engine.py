@@ -8,15 +8,19 @@ logprob test first, on the checkpoint's own weights, then the tests that swap we
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import jsonschema
 import numpy as np
 import pytest
 import torch
+import xgrammar as xgr
+from transformers import AutoTokenizer
 
 from areal_bus.engines import vllm_engine as ve
 from areal_bus.wire.messages import GenerateRequest
@@ -86,8 +90,20 @@ def test_what_the_engine_reads_of_a_checkpoint_comes_from_transformers_for_any_a
 
 def test_request_becomes_sampling_parameters_that_stop_on_eos_and_integer_stops():
     spec = ve.sampling_spec(_req(temperature=0.7, top_p=0.9, max_tokens=5, stop=[9, "</s>", 4]), eos_token_ids=[2])
-    assert spec == {"n": 1, "temperature": 0.7, "top_p": 0.9, "max_tokens": 5, "logprobs": 0, "ignore_eos": True,
-                    "stop_token_ids": [2, 4, 9], "detokenize": False}
+    assert spec == {"n": 1, "temperature": 0.7, "top_p": 0.9, "max_tokens": 5, "logprobs": 0, "top_k": 0, "seed": None,
+                    "ignore_eos": True, "stop_token_ids": [2, 4, 9], "detokenize": False}
+
+
+def test_grammar_top_logprobs_seed_and_top_k_map_onto_vllms_sampling_parameters():
+    grammar = 'root ::= "{" [a-z]* "}"'
+    req = _req()
+    req.grammar, req.top_logprobs, req.seed, req.top_k = grammar, 5, 1234, 40
+    spec = ve.sampling_spec(req, eos_token_ids=[2])
+    assert (spec["logprobs"], spec["seed"], spec["top_k"]) == (5, 1234, 40)
+    assert spec["structured_outputs"] == {"grammar": grammar}  # StructuredOutputsParams(grammar=...)
+    assert "structured_outputs" not in ve.sampling_spec(_req(), eos_token_ids=[2])
+    req.seed = 0  # a seed of 0 is a seed
+    assert ve.sampling_spec(req, eos_token_ids=[2])["seed"] == 0
 
 
 def test_prompts_the_torch_engine_refuses_are_refused_naming_the_request():
@@ -110,6 +126,30 @@ def test_missing_logprobs_are_an_error_not_a_silent_zero():
         ve.sampled_logprobs([5], None)
     with pytest.raises(ValueError, match="no logprob for sampled token 5"):
         ve.sampled_logprobs([5], [{8: Logprob(-0.1)}])
+
+
+def test_top_logprobs_are_the_k_ranked_entries_with_the_sampled_token_kept_apart_when_outside_them():
+    # vLLM's dict: the k most likely by rank 1..k, plus the sampled token with its own rank when it is not one
+    dicts = [{7: Logprob(-0.2, 1), 3: Logprob(-1.9, 2)},
+             {9: Logprob(-4.0, 5), 1: Logprob(-0.5, 1), 2: Logprob(-1.5, 2)}]
+    assert ve.top_arrays([7, 9], dicts, 2) == ([[7, 3], [1, 2]], [[-0.2, -1.9], [-0.5, -1.5]])
+    with pytest.raises(ValueError, match="1 top logprobs for token 5, 2 were asked for"):
+        ve.top_arrays([5], [{5: Logprob(-0.1, 1)}], 2)
+
+
+def test_a_request_with_top_logprobs_completes_and_streams_them():
+    req = _req()
+    req.top_logprobs = 2
+    running = {"r0": ve.Generation(req, 0.0)}
+    ve.absorb_outputs(running, [_out("r0", [11], [-0.1], extra={12: Logprob(-2.5, 2)})], 0, "w")
+    assert running["r0"].top(0)[0].tolist() == [[11, 12]]
+    step2 = RequestOutput("r0", [CompletionOutput([4], [{4: Logprob(-3.0, 3), 5: Logprob(-0.3, 1),
+                                                        6: Logprob(-1.4, 2)}], "length")], finished=True)
+    (c,) = ve.absorb_outputs(running, [step2], 0, "w")
+    assert c.top_ids.tolist() == [[11, 12], [5, 6]] and c.top_ids.dtype == np.int32
+    np.testing.assert_allclose(c.top_logprobs, [[-0.1, -2.5], [-0.3, -1.4]])
+    plain = ve.absorb_outputs({"r1": ve.Generation(_req("r1"), 0.0)}, [_out("r1", [3], [-1.0], True, "stop")], 0, "w")
+    assert plain[0].top_ids.shape == plain[0].top_logprobs.shape == (0, 0)
 
 
 def test_tokens_carry_the_version_in_force_when_their_step_ran():
@@ -400,6 +440,29 @@ def _cuda_publisher(conn) -> None:
         gen = torch.Generator(device="cuda").manual_seed(version)
         state = {k: v + 0.05 * torch.randn(v.shape, generator=gen, device="cuda", dtype=v.dtype) for k, v in base.items()}
         conn.send((writer.write(state, version), {k: v.float().cpu() for k, v in state.items()}))
+
+
+@pytest.mark.gpu
+def test_vllm_grammar_requests_follow_their_schema_with_top_logprobs_and_a_seed_that_repeats(vllm_engine):
+    schema = {"type": "object", "required": ["n", "ok"], "additionalProperties": False,
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}}}
+    grammar = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+    tok = AutoTokenizer.from_pretrained(TINY)
+
+    def req(rid, seed):
+        r = _req(rid, tok.encode("<|im_start|>user\nform<|im_end|>\n<|im_start|>assistant\n"), 60, temperature=1.0,
+                 stop=[tok.eos_token_id])  # this fixture's engine has no eos of its own
+        r.grammar, r.top_logprobs, r.seed = grammar, 3, seed
+        return r
+
+    done = _run(vllm_engine, [req(f"j{i}", i) for i in range(3)])
+    for comp in done.values():
+        ids = comp.output_ids.tolist()
+        assert comp.finish_reason == "stop" and ids[-1] == tok.eos_token_id, tok.decode(ids)
+        jsonschema.validate(json.loads(tok.decode(ids[:-1])), schema)
+        assert comp.top_ids.shape == comp.top_logprobs.shape == (len(ids), 3)
+        assert (np.diff(comp.top_logprobs, axis=1) <= 0).all()
+    assert _run(vllm_engine, [req("again", 0)])["again"].output_ids.tolist() == done["j0"].output_ids.tolist()
 
 
 @pytest.mark.gpu

@@ -82,6 +82,42 @@ ROLLOUT_KINDS = {"sim": SimRolloutEngineConfig, "torch": TorchRolloutEngineConfi
 
 # -- trainer ---------------------------------------------------------------------------------------
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear layer of a decoder layer in the Qwen2 / Llama / Mistral family: LoRA's default targets."""
+
+
+class LoraConfig(Strict):
+    """``trainer_engine.lora``: train low-rank adapters on a frozen base instead of every weight
+    (areal_bus/train/lora.py). What moves to the rollout workers and into checkpoints is the adapter alone."""
+
+    rank: int = Field(..., ge=1, le=4096, description="The adapters' rank r: each targeted projection W "
+                      "[out, in] gains B [out, r] @ A [r, in].")
+    alpha: float | None = Field(None, gt=0, le=1_000_000, description="LoRA's alpha: the adapters' output is "
+                                "scaled by alpha / rank. None: 2 x rank (a scale of 2).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input in training (the "
+                           "rollout engines apply none); above 0 every update makes its own proximal pass.")
+    target_modules: list[str] = Field(list(LORA_TARGETS), min_length=1, max_length=64, description="Names of "
+                                      "the decoder layers' linear layers that get adapters (default: all "
+                                      "seven); `areal-bus validate` checks the model has each. Not lm_head: "
+                                      "the chunked head reads its weight directly.")
+
+    @model_validator(mode="after")
+    def _targets(self):
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(f"target_modules names a layer twice: {self.target_modules}")
+        outside = [t for t in self.target_modules if t in ("lm_head", "embed_tokens")]
+        if outside:
+            raise ValueError(f"target_modules: {outside[0]!r} cannot take an adapter (the trainer's chunked head "
+                             f"reads lm_head's weight and the embedding directly); adapters go on the decoder "
+                             f"layers' linear layers: {', '.join(LORA_TARGETS)}")
+        return self
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank: what the adapters' output is multiplied by, on both sides of the run."""
+        return (self.alpha if self.alpha is not None else 2.0 * self.rank) / self.rank
+
+
 _TRAINER_KIND = ("Training engine, which chooses the fields marked with a kind: 'sim' models time per token; 'torch' "
                  "trains model.path with the decoupled PPO objective.")
 
@@ -142,6 +178,8 @@ class TorchTrainerEngineConfig(TrainerEngineBase):
     eval_interval: int = Field(0, ge=0, description="Evaluate greedily on the held-out set every this many "
                                "updates (0 = never).")
     eval_episodes: int = Field(64, ge=1, le=100_000, description="Held-out task instances per evaluation.")
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters on a frozen base in model.dtype "
+                                    "(rank, alpha, dropout, target_modules); None: full fine-tuning.")
 
 
 TRAINER_KINDS = {"sim": SimTrainerEngineConfig, "torch": TorchTrainerEngineConfig}

@@ -35,6 +35,8 @@ def check_files(topo: Topology, base: Path | None = None, source: str = "<topolo
         problems += _check_model("model.path", topo.model.path, topo.model_path(base))
         if not problems:
             problems += _check_decoder(topo, topo.model_path(base))
+        if not problems and getattr(topo.trainer_engine, "lora", None) is not None:
+            problems += _check_lora_targets(topo.trainer_engine.lora, topo.model_path(base))
     problems += check_agent(topo, base)  # agent.framework / reward_source plug-ins, agent.dataset
     routers = []
     if topo.replicas("gateway") and topo.gateway_config().router_config:
@@ -80,6 +82,23 @@ def _check_decoder(topo: Topology, path: Path) -> list[str]:
     except (ValueError, KeyError) as err:
         return [f"model.path: {path}: {err}; {' and '.join(w for w, _ in uses)} run areal_bus/model/modeling.py's "
                 f"decoder: {' and '.join(f for _, f in uses)}"]
+    return []
+
+
+def _check_lora_targets(lora, path: Path) -> list[str]:
+    """Each of trainer_engine.lora.target_modules names a linear layer of the model's decoder layers (the
+    model built on the meta device from its config.json: no weights read)."""
+    # imported only here: transformers and torch (seconds), for a run that trains LoRA
+    from areal_bus.train.lora import decoder_linear_names
+
+    try:
+        have = decoder_linear_names(path)
+    except (OSError, ValueError, KeyError) as err:
+        return [f"model.path: {path}: transformers cannot build it to check trainer_engine.lora.target_modules ({err})"]
+    missing = [t for t in lora.target_modules if t not in have]
+    if missing:
+        return [f"trainer_engine.lora.target_modules: {', '.join(map(repr, missing))} is not a linear layer of the "
+                f"decoder layers of {path} (it has {', '.join(sorted(have))})"]
     return []
 
 

@@ -123,6 +123,8 @@ class Topology(Strict):
                              f"must be 'cuda' (choose the GPU with CUDA_VISIBLE_DEVICES), got {self.model.device!r}")
         if engine.kind == "torch":
             self._torch_decode_step(engine)
+        if getattr(self.trainer_engine, "lora", None) is not None:
+            self._lora_served()
         if (self.agent.framework == "sim") != (engine.kind == "sim"):
             raise ValueError("agent.framework 'sim' goes with the sim engines, a real task with the torch engines")
         if self.agent.via == "gateway" and (self.replicas("gateway") < 1 or self.agent.framework == "sim"):
@@ -158,6 +160,17 @@ class Topology(Strict):
                                  f"endpoints.curve.key: keys/cluster.key_secret (or endpoints.allow_insecure: "
                                  f"true on a network you trust entirely)")
         return self
+
+    def _lora_served(self) -> None:
+        """trainer_engine.lora needs a layout that trains adapters and a rollout engine that serves them."""
+        if self.rollout_engine.kind != "torch":
+            raise ValueError(f"trainer_engine.lora: rollout_engine.kind {self.rollout_engine.kind!r} cannot serve "
+                             f"LoRA adapters yet (only the torch engine adds them to its base unmerged): set "
+                             f"rollout_engine.kind 'torch', or leave trainer_engine.lora out (full fine-tuning)")
+        if self.parallelism.tp > 1:
+            raise ValueError(f"trainer_engine.lora with parallelism.tp {self.parallelism.tp}: tensor parallelism "
+                             f"does not split the adapters; use data parallelism (train_workers with tp 1), or "
+                             f"leave trainer_engine.lora out")
 
     def _torch_decode_step(self, engine) -> None:
         tuned = [k for k, on in (("decode_attention", engine.decode_attention in ("matmul", "flash_varlen")),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PrivateAttr, model_serializer, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_serializer, model_validator
 
 from areal_bus.config.base import NODE_KINDS, Strict, experimental
 from areal_bus.config.node_configs import GatewayConfig, NoConfig, ProbeConfig, RewardNodeConfig
@@ -57,6 +57,19 @@ class LoggingConfig(Strict):
                          "to the supervisord.conf's folder.")
     log_interval: int = Field(5, ge=1, le=100_000, description="A throughput line every this many train steps.")
     save_interval: int = Field(0, ge=0, le=1_000_000, description="Checkpoint every this many steps; 0 = never.")
+    trackers: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list, description="Where the trainer also writes each train_steps.jsonl "
+        "record as it goes (areal_bus/runtime/trackers.py): tensorboard (event files in log_dir/tb/<run>: "
+        "`tensorboard --logdir logs/tb`), wandb (a W&B run named by the run id, the resolved config as its "
+        "config; WANDB_MODE=offline keeps it on disk). One that cannot start stops the trainer at start; one "
+        "that fails later is logged and dropped, training goes on. []: neither.")
+
+    @field_validator("trackers")
+    @classmethod
+    def _each_once(cls, trackers: list[str]) -> list[str]:
+        if twice := sorted({t for t in trackers if trackers.count(t) > 1}):
+            raise ValueError(f"{', '.join(twice)} listed twice; list each tracker once")
+        return trackers
 
 
 class DurabilityConfig(Strict):

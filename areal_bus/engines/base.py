@@ -10,7 +10,7 @@ from typing import Protocol
 import numpy as np
 
 from areal_bus.constants import STREAM_EVERY_S
-from areal_bus.wire.messages import Completion, GenerateRequest
+from areal_bus.wire.messages import Completion, GenerateRequest, PartialCompletion
 
 
 class RolloutEngine(Protocol):
@@ -26,7 +26,10 @@ class RolloutEngine(Protocol):
         """Request ids in the running batch."""
 
     def add_request(self, req: GenerateRequest) -> None:
-        """Join the running batch at the next step."""
+        """Join the running batch at the next step. ValueError, naming what, for a request this engine
+        cannot run as asked (a prompt past its cache; an option it cannot honour, such as a grammar on the
+        simulated engine): the rollout node answers it as the request's Completion.error, never running
+        it without the option."""
 
     def step(self) -> list[Completion]:
         """One decode step for every running sequence; returns those that finished."""
@@ -34,6 +37,10 @@ class RolloutEngine(Protocol):
     def peek(self, request_id: str) -> list[int]:
         """Optional (an engine without it streams nothing until a request ends): the output ids a
         running request has so far, for live streaming through the gateway."""
+
+    def peek_top(self, request_id: str, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Optional, with ``peek``: the top_ids and top_logprobs (Completion's) of the running request's
+        output tokens from ``start`` on; [0, 0] arrays when it asked for none."""
 
     def swap_weights(self, version: int, location: str) -> float:
         """Switch to ``version`` between two steps (the safe point). Returns seconds the swap took.
@@ -81,3 +88,16 @@ class TokenStreams:
         st = self._state.get(request_id)
         if st is not None:
             st[1], st[2] = delivered, time.monotonic()
+
+
+def partial_completion(engine, request_id: str, start: int, ids: np.ndarray) -> PartialCompletion:
+    """The PartialCompletion of a running request's output tokens ``ids`` (from ``TokenStreams.due``),
+    with their top logprobs when the request asked for them and the engine keeps them (``peek_top``)."""
+    peek_top = getattr(engine, "peek_top", None)
+    if peek_top is None:
+        return PartialCompletion(request_id=request_id, start=start, output_ids=ids)
+    top_ids, top_logprobs = peek_top(request_id, start)
+    if top_ids.size:
+        top_ids, top_logprobs = top_ids[:ids.size], top_logprobs[:ids.size]
+    return PartialCompletion(request_id=request_id, start=start, output_ids=ids, top_ids=top_ids,
+                             top_logprobs=top_logprobs)

@@ -18,7 +18,10 @@ once in a CUDA graph and replayed with a single launch:
   kv head are grouped as that head's queries (``[B, KV, H / KV, D]``), so GQA needs no copy of keys.
 - The q/k/v and the gate/up projections run as one matmul each over concatenated weights. Those are
   copies of the model's parameters: ``refresh()`` (the engine calls it after every weight swap)
-  copies them again, in place, because a captured graph holds their addresses.
+  copies them again, in place, because a captured graph holds their addresses. With LoRA
+  (trainer_engine.lora) each fused group adds its fused adapter (model/adapters.py: the A's stacked, the
+  B's block-diagonal), copied in place at the same refresh; o_proj's and down_proj's adapters are buffers
+  of their modules, which a swap overwrites in place.
 
 - ``fuse`` (rollout_engine.decode_compile): the step's elementwise work between the matmuls (each RMSNorm
   with the residual add before it, the rotary embedding of q and k with Qwen3's q/k norms, SiLU x up)
@@ -32,8 +35,9 @@ once in a CUDA graph and replayed with a single launch:
   (so a missing one refuses to start, and ``static_decoder``'s automatic choice falls back), and costs a
   few seconds of compiling when the first graph is captured (8 s on that H100, graph captures included).
 
-Prefill stays outside the graphs (the engine's batched, right-padded prefill through the model).
-Sampling is ``sample``: batched on the device, one transfer to the host per step.
+Prefill stays outside the graphs (the engine's batched, right-padded prefill through the model), and so
+does everything after the logits: a grammar's token mask (``grammar``) and sampling (``sampling.sample``:
+batched on the device, one transfer to the host per step).
 
 On CPU the same step runs eagerly (``graphs=False``): that is what the CPU tests check against a
 full forward pass. Quick check (CPU)::
@@ -58,7 +62,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from areal_bus.model.modeling import CausalLM, KVCache, RMSNorm, apply_rope, rms_norm, rope_cos_sin, scaled_logits
+from areal_bus.model import adapters
+from areal_bus.model.modeling import CausalLM, KVCache, RMSNorm, apply_rope, rms_norm, rope_cos_sin
 
 # The smallest length bucket: below it attention costs nothing next to the weights, and fewer
 # buckets mean fewer graphs to capture.
@@ -292,12 +297,17 @@ class StaticDecoder:
         self.cos, self.sin = cos[0, 0], sin[0, 0]  # [max_len, head_dim]
         with torch.no_grad():
             self.w_qkv, self.b_qkv, self.w_gate_up = [], [], []
+            # LoRA adapters (model/adapters.py) of the fused q/k/v and gate/up matmuls: one fused adapter each,
+            # None without; o_proj's and down_proj's run inside their modules
+            self.lora_qkv, self.lora_gate_up = [], []
             for layer in model.model.layers:
                 a, m = layer.self_attn, layer.mlp
                 self.w_qkv.append(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
                 self.b_qkv.append(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
                                   if a.q_proj.bias is not None else None)
                 self.w_gate_up.append(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+                self.lora_qkv.append(adapters.fuse([a.q_proj, a.k_proj, a.v_proj]))
+                self.lora_gate_up.append(adapters.fuse([m.gate_proj, m.up_proj]))
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
         if attention == "flash_varlen":
@@ -343,6 +353,8 @@ class StaticDecoder:
                 if self.b_qkv[i] is not None:
                     torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], out=self.b_qkv[i])
                 torch.cat([m.gate_proj.weight, m.up_proj.weight], out=self.w_gate_up[i])
+                adapters.refresh([a.q_proj, a.k_proj, a.v_proj], self.lora_qkv[i])
+                adapters.refresh([m.gate_proj, m.up_proj], self.lora_gate_up[i])
 
     def decode(self, slots: list[int], ids: list[int], positions: list[int]) -> torch.Tensor:
         """Feed token ``ids[i]`` at ``positions[i]`` of cache slot ``slots[i]``; logits [len(slots), V]
@@ -406,7 +418,8 @@ class StaticDecoder:
         with self._sdpa_backends():
             for i, layer in enumerate(model.model.layers):
                 attn = layer.self_attn
-                qkv = F.linear(layer.input_layernorm(x), self.w_qkv[i], self.b_qkv[i])
+                h = layer.input_layernorm(x)
+                qkv = adapters.add(F.linear(h, self.w_qkv[i], self.b_qkv[i]), h, self.lora_qkv[i])
                 q, k, v = qkv.split(self.splits, dim=-1)
                 q, k = q.view(b, h_, d), k.view(b, kv, d)
                 if attn.qk_norm:  # Qwen3
@@ -417,7 +430,8 @@ class StaticDecoder:
                 v_cache.scatter_(2, write_at, v.reshape(b, kv, 1, d))
                 o = self.attend(q.view(b, kv, h_ // kv, d), k_cache, v_cache, length, prepared)
                 x = x + attn.o_proj(o.reshape(b, h_ * d))
-                gate, up = F.linear(layer.post_attention_layernorm(x), self.w_gate_up[i]).chunk(2, dim=-1)
+                h = layer.post_attention_layernorm(x)
+                gate, up = adapters.add(F.linear(h, self.w_gate_up[i]), h, self.lora_gate_up[i]).chunk(2, dim=-1)
                 x = x + layer.mlp.down_proj(F.silu(gate) * up)
         torch.mm(model.model.norm(x), model.lm_head.weight.t(), out=self.logits[:b])
 
@@ -438,7 +452,7 @@ class StaticDecoder:
             for i, layer in enumerate(model.model.layers):
                 attn, norm = layer.self_attn, layer.input_layernorm
                 x, h = add_norm(x, delta, norm.weight, norm.eps)
-                qkv = F.linear(h, self.w_qkv[i], self.b_qkv[i])
+                qkv = adapters.add(F.linear(h, self.w_qkv[i], self.b_qkv[i]), h, self.lora_qkv[i])
                 q, k, v = qkv.split(self.splits, dim=-1)
                 q, k = q.view(b, h_, d), k.view(b, kv, d)
                 if attn.qk_norm:
@@ -451,7 +465,8 @@ class StaticDecoder:
                 o = self.attend(q.view(b, kv, h_ // kv, d), k_cache, v_cache, length, prepared)
                 norm = layer.post_attention_layernorm
                 x, h = add_norm(x, attn.o_proj(o.reshape(b, h_ * d)), norm.weight, norm.eps)
-                delta = layer.mlp.down_proj(silu_mul(F.linear(h, self.w_gate_up[i])))
+                delta = layer.mlp.down_proj(silu_mul(adapters.add(F.linear(h, self.w_gate_up[i]), h,
+                                                                  self.lora_gate_up[i])))
             norm = model.model.norm
             _, h = add_norm(x, delta, norm.weight, norm.eps)
         torch.mm(h, model.lm_head.weight.t(), out=self.logits[:b])
@@ -464,39 +479,3 @@ class StaticDecoder:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
-def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Zero every token outside the smallest set whose mass reaches ``top_p`` (per row); the most
-    likely token always stays. Not renormalised: ``torch.multinomial`` does not need it."""
-    sorted_p, idx = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_p.cumsum(-1) - sorted_p
-    # Rows with top_p >= 1 keep everything, even if rounding lets the cumulative sum pass 1.
-    limit = torch.where(top_p < 1, top_p, torch.full_like(top_p, float("inf")))
-    sorted_p = sorted_p.masked_fill(mass_before > limit[:, None], 0.0)
-    return torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-
-
-def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
-           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of ``logits`` [B, V] and its log-probability, both [B] on the device.
-
-    Temperature 0 is greedy. The log-probability is ``modeling.logprobs_of``'s: log-softmax of the
-    float32 logits divided by the temperature (greedy: by 1), before top-p truncation. Only the work
-    a batch needs is done: an all-greedy batch is one argmax and one logsumexp over the vocabulary.
-    """
-    dev = logits.device
-    sampled = [t > 0 for t in temperatures]
-    if len(set(temperatures)) == 1:  # one temperature for all: scale by a number, no tensor to build
-        z = scaled_logits(logits, float(temperatures[0]))
-    else:
-        z = scaled_logits(logits, torch.tensor(temperatures, dtype=torch.float32, device=dev))
-    log_norm = torch.logsumexp(z, dim=-1)
-    tokens = z.argmax(-1)
-    if any(sampled):
-        probs = (z - log_norm[:, None]).exp_()
-        if any(p < 1 for p, s in zip(top_ps, sampled) if s):
-            probs = top_p_filter(probs, torch.tensor(top_ps, dtype=torch.float32, device=dev))
-        draw = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        tokens = draw if all(sampled) else torch.where(torch.tensor(sampled, device=dev), draw, tokens)
-    return tokens, z.gather(-1, tokens[:, None]).squeeze(1) - log_norm

@@ -103,6 +103,7 @@ def _far_loader(topo, base, replica: int, log):
 def _torch_engine(topo, worker: str, replica: int, base, log=None) -> BuiltRolloutEngine:
     # lazy: the torch engine and its weight readers import torch, which a sim worker never loads
     from areal_bus.engines.torch_engine import TorchRolloutEngine
+    from areal_bus.model.adapters import rollout_model
     from areal_bus.weights.shm import ShmWeightReader, WeightShmError
 
     cfg = topo.rollout_engine
@@ -140,7 +141,9 @@ def _torch_engine(topo, worker: str, replica: int, base, log=None) -> BuiltRollo
     if far is not None:  # a host without shared memory with the trainer: its relay's weight set
         reader, load_weights = far
     fallback = None if log is None else (lambda msg: log.warning("decode_fallback", detail=msg))
-    engine = TorchRolloutEngine(path, max_batch=cfg.max_batch, max_len=cfg.max_len, device=topo.model.device,
+    # With trainer_engine.lora the base is model.path's and every version an adapter (model/adapters.py).
+    model = rollout_model(path, topo.trainer_engine.lora, topo.model.device, topo.model.dtype)
+    engine = TorchRolloutEngine(model, max_batch=cfg.max_batch, max_len=cfg.max_len, device=topo.model.device,
                                 dtype=topo.model.dtype, seed=topo.model.seed * 1000 + replica, worker=worker,
                                 weight_loader=load_weights, attention=cfg.decode_attention,
                                 fuse_decode=cfg.decode_compile, warn=fallback)

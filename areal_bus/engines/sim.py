@@ -6,6 +6,12 @@ draws its output length from the configured long-tailed distribution (seeded by 
 reissued request generates the same length). ``SimTrainEngine`` models an update as time per token
 divided over the data-parallel train workers, plus a fixed overhead. Both keep time with deadlines
 rather than bare sleeps, so Python overhead is absorbed into the modelled step instead of added to it.
+
+The modelled tokens come from a generator seeded by the request's ``seed`` when it has one (else by its
+id), with ``top_logprobs`` modelled too (the sampled token and k - 1 others, probabilities that sum
+below 1, most likely first); ``top_k`` changes nothing (the modelled distribution has no shape to cut).
+A ``grammar`` is refused (ValueError, which the rollout node answers as the request's Completion.error):
+modelled tokens cannot follow one.
 """
 
 from __future__ import annotations
@@ -35,6 +41,24 @@ def draw_length(dist: LengthDistribution, rng: np.random.Generator) -> int:
 
 def _seed(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def _request_seed(req: GenerateRequest) -> int:
+    return _seed(f"seed:{req.seed}") if req.seed >= 0 else _seed(req.request_id)
+
+
+def modelled_top(ids: np.ndarray, logprobs: np.ndarray, k: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Modelled top_ids / top_logprobs [n, k] for sampled ``ids`` with ``logprobs``: the sampled token and
+    k - 1 others sharing half, a quarter, ... of the remaining mass, most likely first ([0, 0] for k = 0)."""
+    if not k:
+        return np.zeros((0, 0), np.int32), np.zeros((0, 0), np.float32)
+    n = ids.size
+    others = (ids[:, None].astype(np.int64) + np.arange(1, k)[None]) % vocab_size
+    rest = -np.expm1(logprobs.astype(np.float64))[:, None] * 0.5 ** np.arange(1, k)[None]
+    top_ids = np.concatenate([ids[:, None], others], axis=1).astype(np.int32).reshape(n, k)
+    top_lps = np.concatenate([logprobs[:, None].astype(np.float64), np.log(rest)], axis=1).reshape(n, k)
+    order = np.argsort(-top_lps, axis=1, kind="stable")
+    return np.take_along_axis(top_ids, order, 1), np.take_along_axis(top_lps, order, 1).astype(np.float32)
 
 
 @dataclass(slots=True)
@@ -76,7 +100,10 @@ class SimRolloutEngine:
         return list(self._running)
 
     def add_request(self, req: GenerateRequest) -> None:
-        rng = np.random.default_rng(_seed(req.request_id))
+        if req.grammar:
+            raise ValueError(f"request {req.request_id}: grammar: the simulated engine cannot constrain its "
+                             "modelled tokens (rollout_engine.kind torch or vllm can)")
+        rng = np.random.default_rng(_request_seed(req))
         length = min(draw_length(self.cfg.output_len, rng), req.max_tokens)
         self._running[req.request_id] = _Seq(req, length, self.steps, time.time())
         self._finish_at.setdefault(self.steps + length, []).append(req.request_id)
@@ -115,15 +142,16 @@ class SimRolloutEngine:
 
     def _finish(self, rid: str) -> Completion:
         seq = self._running.pop(rid)
-        rng = np.random.default_rng(_seed(rid) ^ 0x5EED)
+        rng = np.random.default_rng(_request_seed(seq.req) ^ 0x5EED)
         n = seq.length
+        ids = rng.integers(0, self.vocab_size, n, dtype=np.int32)
+        logprobs = (-rng.exponential(1.0, n)).astype(np.float32)
+        top_ids, top_logprobs = modelled_top(ids, logprobs, seq.req.top_logprobs, self.vocab_size)
         return Completion(
             request_id=rid, episode_id=seq.req.episode_id, ticket=seq.req.ticket, worker=self.worker,
-            output_ids=rng.integers(0, self.vocab_size, n, dtype=np.int32),
-            logprobs=(-rng.exponential(1.0, n)).astype(np.float32),
-            versions=self._token_versions(seq.start_step, n),
+            output_ids=ids, logprobs=logprobs, versions=self._token_versions(seq.start_step, n),
             finish_reason="length" if n >= seq.req.max_tokens else "stop",
-            gen_seconds=time.time() - seq.started_at,
+            gen_seconds=time.time() - seq.started_at, top_ids=top_ids, top_logprobs=top_logprobs,
         )
 
 

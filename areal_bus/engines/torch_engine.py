@@ -18,11 +18,16 @@ Two decode paths, the same results: on CUDA the decode step runs ``cuda_decode.S
 fixed-shape step over the static cache, rows = slots, replayed as CUDA graphs); elsewhere it runs
 through the model with a per-step gather of each slot's cache (``static_decode=True`` selects the
 static path on CPU too, without graphs: that is how the CPU tests check it). Sampling is
-``cuda_decode.sample`` for both: batched on the device, one transfer to the host per step.
+``sampling.sample`` for both: batched on the device, one transfer to the host per step.
 
 The recorded log-probability is what ``modeling.logprobs_of`` computes: log-softmax of float32 logits divided by
 the request's temperature (temperature 0 = greedy scales by 1), taken BEFORE top-p truncation; the
-trainer recomputes the same quantity with ``modeling.token_logprobs``.
+trainer recomputes the same quantity with ``modeling.token_logprobs``. A request with a ``grammar`` or
+``top_k`` records it under the distribution it was drawn from: its logits masked to what the grammar
+allows next (``grammar``: one xgrammar matcher per such request, the mask applied to its row after the
+forward) and cut to its top_k, renormalised (``sampling``; the trainer's use: areal_bus/train/loss.py).
+``top_logprobs`` are that distribution's most likely tokens; ``seed`` gives the request a generator of
+its own.
 
 ``swap_weights`` runs between steps (the safe point): parameters are overwritten in place, running
 sequences keep their cached keys/values (computed by the old weights) and carry on; every token
@@ -52,9 +57,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from areal_bus.engines.cuda_decode import sample, static_decoder, top_p_filter
-from areal_bus.wire.messages import Completion, GenerateRequest
-from areal_bus.model.modeling import CausalLM, KVCache, as_dtype, check_state_dict, load_pretrained, load_safetensors
+from areal_bus.engines.cuda_decode import static_decoder
+from areal_bus.engines.sampling import sample, top_p_filter
+from areal_bus.wire.messages import MAX_TOP_LOGPROBS, Completion, GenerateRequest, no_top_ids, no_top_logprobs
+from areal_bus.model.adapters import load_weights
+from areal_bus.model.modeling import CausalLM, KVCache, as_dtype, load_pretrained, load_safetensors
 
 __all__ = ["TorchRolloutEngine", "make_output", "top_p_filter"]
 
@@ -70,6 +77,10 @@ class _Seq:
     cached: int = 0  # leading tokens whose keys/values are in the slot's cache
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    matcher: object = None  # the grammar's xgrammar GrammarMatcher (None: unconstrained)
+    grammar_stops: frozenset[int] = frozenset()  # the tokens that end its grammar (allowed once it is complete)
+    generator: torch.Generator | None = None  # the request's own (its seed), else the engine's
+    top: list[list[float]] = field(default_factory=list)  # per token: k top ids, then their k logprobs
 
     @property
     def n_out(self) -> int:
@@ -97,6 +108,9 @@ class TorchRolloutEngine:
     through ``warn`` (``cuda_decode.static_decoder``); ``decode_buckets`` (batch sizes, lengths) its padded
     shapes (None: its defaults).
 
+    ``tokenizer`` (a Hugging Face tokenizer or a folder; None: the checkpoint folder ``model``, if it is
+    one) is what a request's grammar is compiled for (``grammar.Grammars``), when the first one comes.
+
     ``prefill_every`` (None: 8 on the static path, 1 otherwise): while sequences are decoding, a few
     newcomers wait up to this many decode steps to be prefilled together, unless they are at least
     ``1/PREFILL_SHARE`` of the running batch. A prefill runs eagerly (not as a graph) and costs several
@@ -112,11 +126,15 @@ class TorchRolloutEngine:
                  version: int = 0, recompute_kv_on_swap: bool = False, max_prefill_tokens: int = 8192,
                  static_decode: bool | None = None, cuda_graphs: bool | None = None, attention: str = "auto",
                  fuse_decode: bool | None = None, decode_buckets: tuple[list[int], list[int]] | None = None,
-                 prefill_every: int | None = None, warn: Callable[[str], None] | None = None):
+                 prefill_every: int | None = None, warn: Callable[[str], None] | None = None, tokenizer=None):
         self.device = torch.device(device)
         dtype = as_dtype(dtype)
         if isinstance(model, (str, Path)):
+            tokenizer = model if tokenizer is None else tokenizer
             model = load_pretrained(model, self.device, dtype)
+        self.tokenizer = tokenizer
+        self.grammars = None  # grammar.Grammars, made at the first request with a grammar
+        self.token_mask = None  # grammar.TokenMask, the same
         self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
         self.cfg = model.cfg
         self.max_batch, self.max_len = max_batch, max_len
@@ -172,12 +190,25 @@ class TorchRolloutEngine:
         # String stops need a tokenizer and are the gateway's to apply; ints are token ids.
         stops = frozenset(int(s) for s in req.stop if isinstance(s, (int, np.integer)))
         stops |= frozenset() if req.ignore_eos else self.eos_token_ids
-        self._pending.append(_Seq(req, prompt, len(prompt), stops, time.time()))
+        seq = _Seq(req, prompt, len(prompt), stops, time.time())
+        check_options(req)
+        if req.seed >= 0:
+            seq.generator = torch.Generator(device=self.device).manual_seed(req.seed)
+        if req.grammar:
+            seq.matcher = self._grammar_matcher(req.grammar)
+            seq.grammar_stops = frozenset(seq.matcher.stop_token_ids)
+        self._pending.append(seq)
 
     def peek(self, request_id: str) -> list[int]:
         """The output ids a running request has so far ([] if it is not running)."""
         s = self._running.get(request_id)
         return s.tokens[s.prompt_len:] if s is not None else []
+
+    def peek_top(self, request_id: str, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """The top_ids and top_logprobs of the tokens ``peek`` gives, from output token ``start`` on
+        (shape [0, 0] if the request asked for none or is not running)."""
+        s = self._running.get(request_id)
+        return top_arrays(s, start) if s is not None else (no_top_ids(), no_top_logprobs())
 
     @torch.inference_mode()
     def step(self) -> list[Completion]:
@@ -205,19 +236,34 @@ class TorchRolloutEngine:
         if decode:
             logits.append(self._decode(decode))
             fed += decode
-        tokens, logprobs = sample(torch.cat(logits) if len(logits) > 1 else logits[0],
-                                  [float(s.req.temperature) for s in fed], [float(s.req.top_p) for s in fed],
-                                  self.generator)
-        # One transfer to the host (token ids are exact in float64).
-        tokens, logprobs = torch.stack([tokens.double(), logprobs.double()]).tolist()
+        logits = torch.cat(logits) if len(logits) > 1 else logits[0]
+        # Rows with a grammar: each matcher takes the row's last token (none yet after a prefill) and masks
+        # the row, with the forward launched (on CUDA the host's work overlaps the GPU's), before sampling.
+        constrained = [(i, s.matcher, s.tokens[-1] if s.n_out else None) for i, s in enumerate(fed)
+                       if s.matcher is not None]
+        if constrained:
+            self.token_mask.apply(logits, constrained)
+        top = max(s.req.top_logprobs for s in fed)
+        out = sample(logits, [float(s.req.temperature) for s in fed], [float(s.req.top_p) for s in fed],
+                     self.generator, top_ks=[s.req.top_k for s in fed] if any(s.req.top_k for s in fed) else None,
+                     generators=[s.generator for s in fed] if any(s.generator for s in fed) else None, top=top)
+        # One transfer to the host (token ids are exact in float64): per row its token, its logprob and,
+        # when asked for, its top ids and their logprobs.
+        parts = [out.tokens.double()[:, None], out.logprobs.double()[:, None]]
+        if top:
+            parts += [out.top_ids.double(), out.top_logprobs.double()]
+        rows = torch.cat(parts, dim=1).tolist()
         self.steps += 1
         finished = []
-        for s, tok, lp in zip(fed, tokens, logprobs):
-            tok = int(tok)
+        for s, row in zip(fed, rows):
+            tok = int(row[0])
             s.tokens.append(tok)
-            s.logprobs.append(lp)
+            s.logprobs.append(row[1])
             s.versions.append(self.version)
-            if tok in s.stop_ids:
+            if s.req.top_logprobs:
+                k = s.req.top_logprobs
+                s.top.append(row[2:2 + k] + row[2 + top:2 + top + k])
+            if tok in s.stop_ids or tok in s.grammar_stops:
                 finished.append(self._finish(s, "stop"))
             elif s.n_out >= s.req.max_tokens or len(s.tokens) >= self.max_len:
                 finished.append(self._finish(s, "length"))
@@ -225,11 +271,9 @@ class TorchRolloutEngine:
 
     def swap_weights(self, version: int, location: str) -> float:
         t0 = time.perf_counter()
-        # Check every name and shape before touching a weight: a bad checkpoint must not half-swap.
-        state = check_state_dict(self.model, self.weight_loader(location))
-        with torch.no_grad():
-            for name, param in self.model.named_parameters():
-                param.copy_(state[name])
+        # The full weights, or with LoRA the adapter alone (model/adapters.py), copied in place; every name
+        # and shape checked before touching a weight: a bad version must not half-swap.
+        load_weights(self.model, self.weight_loader(location))
         if self.fast is not None:
             self.fast.refresh()
         if self.device.type == "cuda":
@@ -241,6 +285,16 @@ class TorchRolloutEngine:
         return time.perf_counter() - t0
 
     # -- internals --------------------------------------------------------------------------
+
+    def _grammar_matcher(self, grammar: str):
+        if self.grammars is None:
+            # lazy: xgrammar (and the tokenizer it reads) cost a second or more to import and load; a
+            # worker that never gets a grammar never pays it
+            from areal_bus.engines.grammar import Grammars, TokenMask
+
+            self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, sorted(self.eos_token_ids))
+            self.token_mask = TokenMask(self.max_batch, self.cfg.vocab_size, self.device)
+        return self.grammars.matcher(grammar)
 
     def _prefill_groups(self, fresh: list[_Seq]) -> list[list[_Seq]]:
         """Split length-sorted newcomers so each batch's padded size stays within the budget."""
@@ -290,13 +344,36 @@ class TorchRolloutEngine:
         return make_output(s, reason, self.worker)
 
 
+def check_options(req: GenerateRequest) -> None:
+    """ValueError, naming the field, for sampling options out of their range (the codec bounds them on
+    the wire; a request built in process, as the gateway's local backend does, is checked here)."""
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"request {req.request_id}: top_logprobs={req.top_logprobs}, need 0..{MAX_TOP_LOGPROBS}")
+    if not -1 <= req.seed < 2**63:
+        raise ValueError(f"request {req.request_id}: seed={req.seed}, need -1 (none) or 0..2**63-1")
+    if req.top_k < 0:
+        raise ValueError(f"request {req.request_id}: top_k={req.top_k}, need 0 (off) or more")
+
+
+def top_arrays(s: _Seq, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(top_ids int32, top_logprobs float32), [tokens, k], of a sequence's output tokens from ``start``."""
+    k = s.req.top_logprobs
+    if not k:
+        return no_top_ids(), no_top_logprobs()
+    rows = s.top[start:]
+    table = np.asarray(rows, dtype=np.float64).reshape(len(rows), 2 * k)
+    return table[:, :k].astype(np.int32), table[:, k:].astype(np.float32)
+
+
 def make_output(s: _Seq, finish_reason: str, worker: str) -> Completion:
     """The message a finished sequence becomes."""
     req = s.req
+    top_ids, top_logprobs = top_arrays(s)
     return Completion(
         request_id=req.request_id, episode_id=req.episode_id, ticket=req.ticket, worker=worker,
         output_ids=np.asarray(s.tokens[s.prompt_len:], dtype=np.int32),
         logprobs=np.asarray(s.logprobs, dtype=np.float32),
         versions=np.asarray(s.versions, dtype=np.int32),
         finish_reason=finish_reason, gen_seconds=time.time() - s.started_at,
+        top_ids=top_ids, top_logprobs=top_logprobs,
     )

@@ -157,14 +157,17 @@ def clip_grad_norm_(params, max_norm: float) -> float:
     return norm
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+def full_state_dict(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
     """The whole, unsharded weights under their Hugging Face names (tied ones under both), as CPU
-    tensors on rank 0 and None elsewhere. A collective: every rank calls it, in step."""
+    tensors on rank 0 and None elsewhere; ``trainable_only``: those that require grad (LoRA's adapters).
+    A collective: every rank calls it, in step."""
     keep = dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
     seen: dict[int, str] = {}
     with torch.no_grad():
         for name, p in model.named_parameters(remove_duplicate=False):
+            if trainable_only and not p.requires_grad:
+                continue
             if id(p) in seen:
                 if keep:
                     out[name] = out[seen[id(p)]]
@@ -194,7 +197,7 @@ class ParallelTrainEngine(TorchTrainEngine):
     """TorchTrainEngine on dp x tp ranks. Rank 0's instance serves the node exactly as the single-process
     engine does; the others follow its commands (``main``)."""
 
-    def __init__(self, topo, model_path: str | Path, *, group: RankGroup, publisher=None):
+    def __init__(self, topo, model_path: str | Path, *, group: RankGroup, publisher=None, base_model=None):
         par = self.parallelism = topo.parallelism
         self.dp_size, self.tp_size = par.dp, par.tp
         self.group = group
@@ -202,7 +205,7 @@ class ParallelTrainEngine(TorchTrainEngine):
         device = rank_device(topo.trainer_device, int(os.environ.get("LOCAL_RANK", group.rank)))
         self.mesh = make_mesh(par.dp, par.tp, device.type)
         self._weights: dict[str, torch.Tensor] | None = None  # rank 0: the gathered weights of this version
-        super().__init__(topo, model_path, publisher=publisher, dp=group, device=device)
+        super().__init__(topo, model_path, publisher=publisher, dp=group, device=device, base_model=base_model)
         self._step_one_by_one()
 
     def train(self, batch, version: int, baseline=()) -> dict:
@@ -240,14 +243,14 @@ class ParallelTrainEngine(TorchTrainEngine):
         loss = loss.detach().clone()
         if self.dp_size > 1:
             with torch.no_grad():
-                for p in self.model.parameters():
+                for p in self.trainable():
                     if p.grad is not None:
                         p.grad.mul_(self.dp_size)
             dist.all_reduce(loss, group=self.mesh.get_group("dp"))
         return loss
 
     def _clip_grads(self) -> float:
-        return clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        return clip_grad_norm_(self.trainable(), self.cfg.grad_clip)
 
     def _fused_optimizer(self) -> bool:
         return False
@@ -258,13 +261,13 @@ class ParallelTrainEngine(TorchTrainEngine):
 
     # -- full state, gathered by all ranks ------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Rank 0: the full weights (gathered once per version: export, evaluation and checkpoint
-        share them). Other ranks: take part in the gather, get None."""
+        """Rank 0: the full weights, with LoRA the adapters' alone (gathered once per version: export,
+        evaluation and checkpoint share them). Other ranks: take part in the gather, get None."""
         if self.group.rank == 0:
             if self._weights is not None:
                 return self._weights
             self.group.request(CMD_WEIGHTS)
-        sd = full_state_dict(self.model)
+        sd = full_state_dict(self.model, trainable_only=self.lora is not None)
         if self.group.rank == 0:
             self._weights = sd
         return sd
@@ -302,7 +305,7 @@ class ParallelTrainEngine(TorchTrainEngine):
 
     def _load_optimizer_state(self, state: dict) -> None:
         """Every rank, together: shard the full (single-process format) state like the parameters."""
-        params = list(self.model.parameters())
+        params = self.trainable()
         if len(state["param_groups"][0]["params"]) != len(params):
             raise ValueError(f"optimizer.pt holds {len(state['param_groups'][0]['params'])} parameters, "
                              f"the model has {len(params)}")
@@ -319,13 +322,16 @@ class ParallelTrainEngine(TorchTrainEngine):
         self._step_one_by_one()
 
 
-def start(topo, topology_path: str | Path, model_path: str | Path, publisher=None) -> ParallelTrainEngine:
+def start(topo, topology_path: str | Path, model_path: str | Path, publisher=None,
+          base_model=None) -> ParallelTrainEngine:
     """Rank 0 (the trainer node): check the layout against the model, start ranks 1..N-1, and build
-    this rank's engine."""
-    check_tp(AutoConfig.from_pretrained(model_path, local_files_only=True), topo.parallelism.tp,
-             f"model.path {model_path}")
+    this rank's engine. ``model_path``: where the ranks start (model.path or a checkpoint); with LoRA
+    the weights are ``base_model``'s (default model.path from the cwd) and a checkpoint the adapter."""
+    if topo.parallelism.tp > 1:  # (with LoRA a checkpoint has no config.json; LoRA refuses tp > 1)
+        check_tp(AutoConfig.from_pretrained(model_path, local_files_only=True), topo.parallelism.tp,
+                 f"model.path {model_path}")
     group = RankGroup.launch(topo.train_workers, str(topology_path), str(model_path), backend_for(topo.trainer_device))
-    return ParallelTrainEngine(topo, model_path, group=group, publisher=publisher)
+    return ParallelTrainEngine(topo, model_path, group=group, publisher=publisher, base_model=base_model)
 
 
 def main(argv=None) -> int:

@@ -3,8 +3,10 @@
 The policy is transformers' own model class for the checkpoint (``areal_bus.train.train_model``): float32
 master weights and AdamW state, compute in ``model.dtype`` (``trainer_engine.mixed_precision``: a
 compute copy refreshed once per optimizer step, or autocast; ``trainer_engine.compile`` compiles each
-decoder layer). One ``train(batch,
-version)`` is one policy update (one version):
+decoder layer). With ``trainer_engine.lora`` (areal_bus/train/lora.py) the base is frozen in model.dtype
+and only peft's adapters are trained (float32 masters and AdamW state, autocast compute): what is
+published and checkpointed is then the adapter alone. One ``train(batch, version)`` is one policy update
+(one version):
   1. GRPO advantages per trajectory from its reward and its group (the n samples of one task instance);
   2. the batch is right-padded into [B, T] tensors (prompt + output tokens, the loss mask: policy tokens
      only, the behaviour log-probabilities the engine recorded): the form the parallel ranks receive;
@@ -26,7 +28,9 @@ copied from the start checkpoint), plus ``trainer_state.json`` (version, consume
 ``optimizer.pt`` (AdamW's state, torch's own format, written and read only by this trainer on this
 host: nothing that crossed a socket). An engine built from a checkpoint folder, then ``load_optimizer``
 (what ``train_engine.build_train_engine(checkpoint=...)`` does), restores all three, so the version
-sequence continues.
+sequence continues. With LoRA a checkpoint holds the adapter (peft's adapter folder, float32) and the
+base's folder and sha256 (``lora_base.json``) instead of the weights; the engine then starts from model.path
+and loads the adapter, after checking the base is the one it was trained on.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from areal_bus.train.packing import Packed, mini_batch_members, pack_rows
 from areal_bus.train.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, load_policy, packed_logprobs,
                                    save_weights)
 from areal_bus.engines.torch_engine import TorchRolloutEngine
+from areal_bus.model.adapters import rollout_model
+from areal_bus.train import lora as lora_adapters
 from areal_bus.tasks.plugins import make_driver
 from areal_bus.tasks.runner import evaluate, load_tokenizer
 
@@ -97,18 +103,33 @@ def reward_components(batch: list[Trajectory]) -> dict[str, float]:
 class TorchTrainEngine:
     """Implements areal_bus.engines.train_engine.TrainEngine."""
 
-    def __init__(self, topo, model_path: str | Path, *, publisher=None, dp=None, device=None):
+    def __init__(self, topo, model_path: str | Path, *, publisher=None, dp=None, device=None, base_model=None):
         cfg = topo.trainer_engine
         self.cfg = cfg
         self.topo = topo
-        self.model_path = Path(model_path)
+        self.model_path = Path(model_path)  # where it starts: model.path, or a checkpoint it resumes
         self.device = torch.device(device or topo.trainer_device)
         self.dtype = as_dtype(topo.model.dtype)
+        self.lora = cfg.lora  # trainer_engine.lora: adapters on a frozen base (train/lora.py), or None
+        # The folder the policy's weights come from: the start folder, except that with LoRA they are
+        # model.path's (``base_model``: it resolved; ranks > 0 resolve it from their cwd, as supervisord's)
+        # and a checkpoint holds the adapter alone.
+        self.base_path = self.model_path if self.lora is None else Path(base_model or topo.model_path())
+        self.base_sha = None  # LoRA: the base's sha256, recorded in every checkpoint (rank 0 computes it)
+        if self.lora is not None and (dp is None or dp.rank == 0):
+            lora_adapters.check_start(self.model_path, self.lora, self.base_path)
+            self.base_sha = lora_adapters.base_checksum(self.base_path)
         torch.manual_seed(topo.model.seed)
-        load = lambda: load_policy(self.model_path, self.device, attn_implementation=cfg.attn_implementation,
-                                   gradient_checkpointing=cfg.gradient_checkpointing)
+        load = lambda lora=None: load_policy(self.base_path, self.device, attn_implementation=cfg.attn_implementation,
+                                             gradient_checkpointing=cfg.gradient_checkpointing, lora=lora,
+                                             dtype=self.dtype)
+        lm = load(self.lora).train()
+        if self.lora is None:
+            lm.requires_grad_(True)
+        elif self.model_path.resolve() != self.base_path.resolve():
+            lora_adapters.load_into(lm, self.model_path)  # before a parallel layout shards it
         # What the update calls (a parallel layout shards it); ``model`` is the transformers model inside.
-        self.policy = self._prepare_model(PackedLM(load().train().requires_grad_(True)))
+        self.policy = self._prepare_model(PackedLM(lm))
         self.model = self.policy.lm
         # What forward and backward run on: a copy in the compute dtype (the optimizer steps the float32
         # masters above and refreshes it), or the masters themselves under autocast.
@@ -125,13 +146,15 @@ class TorchTrainEngine:
         self.forward_is_proximal = dropout_free(self.model)
         # 'loglinear': no proximal pass at all; each later mini-batch interpolates its anchor (loss.py).
         self.recompute_proximal = cfg.prox_logp_method == "recompute"
-        self.ref = load().eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+        # The KL reference: the initial policy. With LoRA that is the base, which the policy runs with its
+        # adapters switched off (``_reference``): no second copy.
+        self.ref = None if cfg.kl_coef <= 0 else self.run if self.lora else load().eval().requires_grad_(False)
         if self.ref is not None and self.copy is not None:
             self.ref.to(self.dtype)  # never trained: its compute copy is all it needs
         # One process on a GPU: AdamW's fused kernel (a few launches per step for every weight); a
         # sharded layout keeps the multi-tensor default, which takes its DTensors.
         fused = {"fused": True} if self.device.type == "cuda" and self._fused_optimizer() else {}
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=topo.learning_rate, betas=(0.9, 0.999),
+        self.opt = torch.optim.AdamW(self.trainable(), lr=topo.learning_rate, betas=(0.9, 0.999),
                                      weight_decay=0.0, **fused)
         self.micro_tokens = cfg.micro_batch_tokens
         self.pad_to = cfg.micro_batch_pad_tokens or (1024 if self.device.type == "cuda" else 1)
@@ -163,11 +186,20 @@ class TorchTrainEngine:
 
     def _clip_grads(self) -> torch.Tensor:
         """The gradient norm before clipping, as a 0-d tensor (read with the other diagnostics)."""
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        return torch.nn.utils.clip_grad_norm_(self.trainable(), self.cfg.grad_clip)
 
     def _use_compute_copy(self) -> bool:
-        """A sharded model takes its precision from the layout (autocast over the shards), not a copy."""
-        return self.cfg.mixed_precision == "compute_copy" and self.dtype != torch.float32
+        """A sharded model takes its precision from the layout (autocast over the shards), not a copy; with
+        LoRA the base already is in the compute dtype and the adapters are cast at each use (autocast)."""
+        return self.cfg.mixed_precision == "compute_copy" and self.dtype != torch.float32 and self.lora is None
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer steps: all of them, or with LoRA the adapters' (the base is frozen)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _reference(self):
+        """The context the KL reference's forward runs in: with LoRA, the policy's adapters off."""
+        return lora_adapters.adapters_off(self.model) if self.lora is not None else contextlib.nullcontext()
 
     def _compute(self):
         """The context forward and backward run in: autocast over the masters, or nothing (the copy
@@ -234,7 +266,7 @@ class TorchTrainEngine:
                             ent_sum = ent_sum + (ent * p.mask).sum()
                     ref_lp = None
                     if self.ref is not None:
-                        with self._compute():
+                        with self._compute(), self._reference():
                             ref_lp = packed_logprobs(self.ref, p, self.temperature,
                                                      chunk=self.cfg.logit_chunk_tokens)[0]
                     prox[-1].append((lp, ref_lp))
@@ -324,15 +356,25 @@ class TorchTrainEngine:
 
     # -- weights out ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The float32 master weights under their Hugging Face names."""
+        """The float32 master weights under their Hugging Face names; with LoRA the adapters' alone (under
+        peft's names: ``...q_proj.lora_A.default.weight``)."""
+        if self.lora is not None:
+            return {k: v.detach() for k, v in self.model.named_parameters() if v.requires_grad}
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def served(self) -> dict[str, torch.Tensor]:
+        """What the rollout workers serve of the current weights, in model.dtype: the full weights, or with
+        LoRA the adapter alone in its published format (model/adapters.py)."""
+        if self.lora is not None:
+            return lora_adapters.wire_weights(self.state_dict(), self.dtype)
+        return export_state_dict(self.state_dict(), self.model.config, self.dtype)
 
     def export_weights(self, version: int) -> tuple[str, int]:
         """(location, nbytes) of ``version`` in the rollout workers' buffers, in the rollout dtype
         (model.dtype); WeightsBusy while none is free."""
         if self.publisher is None:
             return "", 0
-        return self.publisher.publish(export_state_dict(self.state_dict(), self.model.config, self.dtype), version)
+        return self.publisher.publish(self.served(), version)
 
     def release(self, version: int) -> None:
         if self.publisher is not None:
@@ -343,7 +385,8 @@ class TorchTrainEngine:
         if self.cfg.eval_interval <= 0:
             return None
         if self._evaluator is None:
-            self._evaluator = HeldOutEvaluator(self.topo, self.model_path, self.state_dict)
+            self._evaluator = HeldOutEvaluator(self.topo, self.base_path,
+                                               self.served if self.lora is not None else self.state_dict)
         return self._evaluator(version)
 
     def close(self, in_flight: bool = False) -> None:
@@ -359,10 +402,13 @@ class TorchTrainEngine:
         folder = Path(folder)
         tmp = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        self._save_weights(tmp)
-        for name in TOKENIZER_FILES:
-            if (self.model_path / name).exists():
-                shutil.copy(self.model_path / name, tmp / name)
+        if self.lora is not None:  # the adapter and the base's record; the base stays where it is
+            lora_adapters.save(tmp, self.state_dict(), self.lora, self.base_path, self.base_sha)
+        else:
+            self._save_weights(tmp)
+            for name in TOKENIZER_FILES:
+                if (self.model_path / name).exists():
+                    shutil.copy(self.model_path / name, tmp / name)
         torch.save(self.optimizer_state(), tmp / "optimizer.pt")
         (tmp / "trainer_state.json").write_text(json.dumps({"version": version, "consumed": consumed}))
         shutil.rmtree(folder, ignore_errors=True)
@@ -463,7 +509,8 @@ def compile_layers(policy: PackedLM) -> None:
 
 class HeldOutEvaluator:
     """Plays the configured task's held-out instances (agent.framework's eval seeds: guess's stratified
-    games, agent.dataset's eval split) greedily with the trainer's current weights (``weights()``), in
+    games, agent.dataset's eval split) greedily with the trainer's current weights (``weights()``: the full
+    weights, or with LoRA the adapter, served on the base as rollout serves it), in
     a rollout engine of its own on the trainer's device; it runs on the compute thread between updates.
     Its output: eval_reward, eval_accuracy (when the task marks episodes correct), eval_turns and the
     completions' token counts (areal_bus/tasks/runner.py: evaluate)."""
@@ -474,7 +521,8 @@ class HeldOutEvaluator:
         # resolve from it as in every other node.
         self.driver = make_driver(topo, Path.cwd(), tokenizer=load_tokenizer(model_path))
         self.seeds = self.driver.eval_seeds(self.episodes)
-        self.engine = TorchRolloutEngine(model_path, max_batch=min(64, max(1, len(self.seeds))),
+        model = rollout_model(model_path, topo.trainer_engine.lora, topo.trainer_device, topo.model.dtype)
+        self.engine = TorchRolloutEngine(model, max_batch=min(64, max(1, len(self.seeds))),
                                          max_len=topo.rollout_engine.max_len, device=topo.trainer_device,
                                          dtype=topo.model.dtype, worker="eval", weight_loader=lambda _: weights())
 

@@ -43,7 +43,8 @@ class TrainEngine(Protocol):
         Returns stats (``loss``, ``reward``, ``tokens`` and whatever else the engine measures)."""
 
     def export_weights(self, version: int) -> tuple[str, int]:
-        """Make the current weights readable as ``version``: (location for WeightsReady, bytes).
+        """Make the current weights (with LoRA the adapter alone) readable as ``version``: (location for
+        WeightsReady, bytes).
         Raises WeightsBusy (nothing written) while no buffer is free."""
 
     def release(self, version: int) -> None:
@@ -51,8 +52,8 @@ class TrainEngine(Protocol):
 
     def save_checkpoint(self, folder: Path, version: int, consumed: list[str]) -> Path:
         """A complete checkpoint of ``version`` in ``folder`` (written whole or not at all) holding what
-        resuming needs: the weights, the optimizer state and ``trainer_state.json``
-        (version, consumed ids)."""
+        resuming needs: the weights (with LoRA the adapter, and which base it belongs to), the optimizer
+        state and ``trainer_state.json`` (version, consumed ids)."""
 
     def load_optimizer(self, folder: Path) -> None:
         """Restore the optimizer state of the checkpoint in ``folder`` (the weights were loaded when the
@@ -121,8 +122,14 @@ def build_train_engine(topo, base=None, checkpoint: Path | None = None) -> Train
     from areal_bus.engines.torch_train import TorchTrainEngine
 
     path = Path(checkpoint) if checkpoint is not None else topo.model_path(base)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"model.path {path} holds no checkpoint (config.json); build the default with "
+    lora = topo.trainer_engine.lora  # LoRA: a checkpoint holds the adapter, the weights are model.path's
+    weights = topo.model_path(base) if lora is not None else path
+    if checkpoint is not None:  # before any rank starts: another base, or the other kind of run's checkpoint
+        from areal_bus.train.lora import check_start  # lazy: as the torch engine above
+
+        check_start(path, lora, topo.model_path(base))
+    if not (weights / "config.json").exists():
+        raise FileNotFoundError(f"model.path {weights} holds no checkpoint (config.json); build the default with "
                                 f"`python scripts/warmstart.py --out {topo.model.path}` or point model.path at one")
     torch.set_num_threads(topo.model.threads)
     publisher = WeightPublisher(topo, base)
@@ -133,9 +140,9 @@ def build_train_engine(topo, base=None, checkpoint: Path | None = None) -> Train
         resolved = topo.log_dir(base) / "resolved" / "trainer-dp.json"
         resolved.parent.mkdir(parents=True, exist_ok=True)
         resolved.write_text(json.dumps(dump_resolved(topo)))
-        engine = torch_parallel.start(topo, resolved, path, publisher=publisher)
+        engine = torch_parallel.start(topo, resolved, path, publisher=publisher, base_model=topo.model_path(base))
     else:
-        engine = TorchTrainEngine(topo, path, publisher=publisher)
+        engine = TorchTrainEngine(topo, path, publisher=publisher, base_model=topo.model_path(base))
     if checkpoint is not None:
         engine.load_optimizer(path)
     return engine

@@ -27,7 +27,18 @@ How it maps onto vLLM (v1 engine; written for vLLM >= 0.10.2, run on 0.25.1):
   the torch engine records and the trainer recomputes whenever ``top_p == 1``. With ``top_p < 1``
   vLLM takes it after the nucleus cut, renormalised over the nucleus (the probability the token was
   actually drawn with), where the torch engine takes it before the cut: the two differ by the log of
-  the nucleus' mass. Training episodes use ``rollout_engine.top_p`` (1.0 by default).
+  the nucleus' mass. Training episodes use ``rollout_engine.top_p`` (1.0 by default). ``top_k`` is in
+  both engines' records of rows sampled at a temperature above 0, and so is a grammar's mask:
+  vLLM's model runner applies the structured-output bitmask to the logits before its sampler, so
+  even its raw logprobs are the masked distribution's, renormalised over the allowed tokens, as the
+  torch engine records them (areal_bus/train/loss.py says how the trainer uses them).
+- A request's options map onto ``SamplingParams`` (``sampling_spec``): ``grammar`` (xgrammar EBNF) to
+  ``structured_outputs=StructuredOutputsParams(grammar=...)`` (vLLM >= 0.11; the older
+  ``guided_decoding`` is gone from the vLLMs that run here: on a vLLM without the new class, or an engine
+  that skips its tokenizer, a grammar request is refused, never run unconstrained);
+  ``top_logprobs`` to ``logprobs`` (vLLM returns the sampled token and the k most likely, each with
+  its rank, of the same processed distribution; ``top_arrays``); ``seed`` to ``seed`` (a generator of
+  the request's own); ``top_k`` to ``top_k`` (0 is off in both).
 - Weight updates use vLLM's worker extension and ``collective_rpc``, the route of vLLM's RLHF
   examples (examples/offline_inference/rlhf_utils.py, ``ColocateWorkerExtension``: tensors rebuilt from
   CUDA IPC handles inside the worker, then ``model_runner.model.load_weights`` and
@@ -67,7 +78,7 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_bus.wire.messages import Completion, GenerateRequest
+from areal_bus.wire.messages import Completion, GenerateRequest, no_top_ids, no_top_logprobs
 
 INSTALL_HINT = "pip install 'areal-bus[vllm]'"
 
@@ -103,12 +114,16 @@ def sampling_spec(req: GenerateRequest, eos_token_ids: Iterable[int]) -> dict:
 
     String stops need a tokenizer and are the gateway's to apply; integer stops are token ids."""
     stops = {int(s) for s in req.stop if isinstance(s, (int, np.integer)) and not isinstance(s, bool)}
-    return {
+    spec = {
         "n": 1, "temperature": float(req.temperature), "top_p": float(req.top_p), "max_tokens": int(req.max_tokens),
-        "logprobs": 0,  # 0 = only the sampled token's log-probability
+        # 0 = only the sampled token's log-probability; k = it and the k most likely
+        "logprobs": int(req.top_logprobs), "top_k": int(req.top_k), "seed": None if req.seed < 0 else int(req.seed),
         "ignore_eos": True, "stop_token_ids": sorted(stops | (set() if req.ignore_eos else {int(t) for t in eos_token_ids})),
         "detokenize": False,  # token ids are the product; text would cost CPU per step
     }
+    if req.grammar:  # StructuredOutputsParams keyword arguments (a class of vLLM's: the engine makes it)
+        spec["structured_outputs"] = {"grammar": req.grammar}
+    return spec
 
 
 def sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:
@@ -116,7 +131,7 @@ def sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:
     ``{token_id: Logprob}`` mapping per token; more entries when top-k logprobs were asked for)."""
     if logprobs is None or len(logprobs) != len(token_ids):
         raise ValueError(f"vLLM returned {'no' if logprobs is None else len(logprobs)} logprob entries for "
-                         f"{len(token_ids)} tokens (SamplingParams.logprobs must be 0)")
+                         f"{len(token_ids)} tokens (SamplingParams.logprobs must be 0, or the top_logprobs asked for)")
     out = []
     for tok, entry in zip(token_ids, logprobs):
         lp = entry.get(tok) if entry is not None else None
@@ -126,23 +141,52 @@ def sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:
     return out
 
 
+def top_arrays(token_ids: list[int], logprobs, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Per token, the ids and log-probabilities of the ``k`` most likely tokens, most likely first, from
+    a ``CompletionOutput.logprobs`` sequence asked for with ``logprobs=k`` (each mapping holds them, by
+    ``rank`` 1..k, and the sampled token, with its own rank, when it is not one of them)."""
+    ids, lps = [], []
+    for tok, entry in zip(token_ids, logprobs):
+        ranked = sorted(((lp.rank if lp.rank is not None else float("inf"), -lp.logprob, t, lp.logprob)
+                         for t, lp in (entry or {}).items()))[:k]
+        if len(ranked) < k:
+            raise ValueError(f"vLLM returned {len(ranked)} top logprobs for token {tok}, {k} were asked for")
+        ids.append([int(t) for _, _, t, _ in ranked])
+        lps.append([float(lp) for _, _, _, lp in ranked])
+    return ids, lps
+
+
 @dataclass(slots=True)
 class Generation:
-    """One running request: what it has produced so far and the version of each token."""
+    """One running request: what it has produced so far, the version of each token and, when the
+    request asked for them, each token's top ids and their logprobs."""
 
     req: GenerateRequest
     started_at: float
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+    def top(self, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(top_ids int32, top_logprobs float32) [tokens, k] from output token ``start`` on; [0, 0]
+        when the request asked for none."""
+        k = self.req.top_logprobs
+        if not k:
+            return no_top_ids(), no_top_logprobs()
+        n = max(0, len(self.top_ids) - start)
+        return (np.asarray(self.top_ids[start:], dtype=np.int32).reshape(n, k),
+                np.asarray(self.top_logprobs[start:], dtype=np.float32).reshape(n, k))
 
     def completion(self, finish_reason: str, worker: str) -> Completion:
         req = self.req
+        top_ids, top_logprobs = self.top()
         return Completion(
             request_id=req.request_id, episode_id=req.episode_id, ticket=req.ticket, worker=worker,
             output_ids=np.asarray(self.tokens, dtype=np.int32), logprobs=np.asarray(self.logprobs, dtype=np.float32),
             versions=np.asarray(self.versions, dtype=np.int32), finish_reason=finish_reason,
-            gen_seconds=time.time() - self.started_at,
+            gen_seconds=time.time() - self.started_at, top_ids=top_ids, top_logprobs=top_logprobs,
         )
 
 
@@ -157,6 +201,10 @@ def absorb_outputs(running: dict[str, Generation], outputs, version: int, worker
         comp = out.outputs[0]
         new = [int(t) for t in comp.token_ids]
         gen.logprobs += sampled_logprobs(new, comp.logprobs)
+        if gen.req.top_logprobs:
+            ids, lps = top_arrays(new, comp.logprobs, gen.req.top_logprobs)
+            gen.top_ids += ids
+            gen.top_logprobs += lps
         gen.tokens += new
         gen.versions += [version] * len(new)
         if out.finished:
@@ -414,6 +462,12 @@ class VllmRolloutEngine:
         from vllm.sampling_params import RequestOutputKind
 
         self._vllm, self._prompt, self._delta = vllm, TokensPrompt, RequestOutputKind.DELTA
+        try:
+            from vllm.sampling_params import StructuredOutputsParams
+        except ImportError:  # a vLLM before 0.11: its guided_decoding is not supported here; grammars are refused
+            StructuredOutputsParams = None
+        self._structured = StructuredOutputsParams
+        self.skip_tokenizer_init = skip_tokenizer_init
         self.tied, eos = served_facts(model_path)
         self.eos_token_ids = eos if eos_token_ids is None else [int(t) for t in eos_token_ids]
         self.expected = {k: list(v) for k, v in checkpoint_shapes(model_path).items()}
@@ -453,7 +507,10 @@ class VllmRolloutEngine:
         if req.request_id in self._running:
             raise ValueError(f"request {req.request_id} is already running")
         prompt = prompt_of(req, self.max_len)
-        params = self._vllm.SamplingParams(**sampling_spec(req, self.eos_token_ids), output_kind=self._delta)
+        spec = sampling_spec(req, self.eos_token_ids)
+        if "structured_outputs" in spec:
+            spec["structured_outputs"] = self._structured_outputs(req, spec["structured_outputs"])
+        params = self._vllm.SamplingParams(**spec, output_kind=self._delta)
         self.llm.add_request(req.request_id, self._prompt(prompt_token_ids=prompt, cache_salt=cache_salt(self.weights_loaded)),
                              params)
         self._running[req.request_id] = Generation(req, time.time())
@@ -465,6 +522,22 @@ class VllmRolloutEngine:
         """The output ids a running request has so far ([] if it is not running)."""
         gen = self._running.get(request_id)
         return list(gen.tokens) if gen is not None else []
+
+    def peek_top(self, request_id: str, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """The top_ids and top_logprobs of ``peek``'s tokens from ``start`` on ([0, 0] if none)."""
+        gen = self._running.get(request_id)
+        return gen.top(start) if gen is not None else (no_top_ids(), no_top_logprobs())
+
+    def _structured_outputs(self, req: GenerateRequest, kwargs: dict):
+        """vLLM's StructuredOutputsParams for a request's grammar; ValueError where this engine cannot
+        honour one (the rollout node answers it as the request's error: never run unconstrained)."""
+        if self._structured is None:
+            raise ValueError(f"request {req.request_id}: grammar needs vLLM >= 0.11 (StructuredOutputsParams); "
+                             f"this vLLM is {getattr(self._vllm, '__version__', '?')}")
+        if self.skip_tokenizer_init:
+            raise ValueError(f"request {req.request_id}: grammar needs the tokenizer, which this engine skips "
+                             "(skip_tokenizer_init)")
+        return self._structured(**kwargs)
 
     def step(self) -> list[Completion]:
         if not self._running:

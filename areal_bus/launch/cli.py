@@ -21,6 +21,8 @@
   areal-bus import-model smollm2 --out models/smollm2-135m-instruct
                                                     a GGUF (a packaged name or a .gguf path) -> a Hugging
                                                     Face folder, checked (areal_bus/launch/import_model.py)
+  areal-bus export --merge CHECKPOINT OUT           a LoRA run's checkpoint -> a Hugging Face folder (base +
+                                                    merged adapter); --adapter: peft's adapter folder alone
 
 Node kinds (and the probe) are found by name, ``nodes.<kind>``, with importlib: the library never
 imports a node module, so this command sits in the library and still reaches every node.
@@ -207,6 +209,21 @@ def cmd_import_model(args) -> int:
 # -- end import-model -----------------------------------------------------------------------------
 
 
+def cmd_export(args) -> int:
+    from areal_bus.launch.export import ExportError, export_adapter, export_merged  # lazy: one subcommand's
+
+    write = export_merged if args.merge else export_adapter
+    try:
+        out = write(args.checkpoint, args.out, base=args.base, force=args.force)
+    except ExportError as err:
+        print(f"areal-bus export: {err}", file=sys.stderr)
+        return 2
+    how = ("base + merged adapter: model.path or from_pretrained loads it" if args.merge
+           else "peft adapter: PeftModel.from_pretrained(base, folder)")
+    print(f"wrote {out} ({how})")
+    return 0
+
+
 def cmd_knobs(args) -> int:
     print(knobs.markdown() if args.markdown else knobs.text())
     return 0
@@ -281,6 +298,18 @@ def main(argv=None) -> int:
     im.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of model.safetensors")
     im.add_argument("--force", action="store_true", help="replace --out even if it is not a previous import")
     im.set_defaults(fn=cmd_import_model)
+    ex = sub.add_parser("export", help="a LoRA run's checkpoint as a merged Hugging Face folder or a peft adapter")
+    what = ex.add_mutually_exclusive_group(required=True)
+    what.add_argument("--merge", action="store_true", help="the base with the adapter merged in (config, "
+                      "weights in the base's dtype, tokenizer, chat template)")
+    what.add_argument("--adapter", action="store_true", help="adapter_config.json + adapter_model.safetensors")
+    ex.add_argument("checkpoint", help="a checkpoint folder of a run with trainer_engine.lora "
+                    "(log_dir/checkpoints/step_N)")
+    ex.add_argument("out", help="the folder to write")
+    ex.add_argument("--base", default=None, help="the base model's folder, if it moved (default: the one the "
+                    "checkpoint records; its sha256 must match either way)")
+    ex.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    ex.set_defaults(fn=cmd_export)
     args = p.parse_args(argv)
     if args.cmd == "plot" and args.output is None:
         args.output = str(Path(args.log_dir) / f"{args.metric}.png")

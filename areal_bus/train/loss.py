@@ -17,6 +17,25 @@ splits those two roles:
   trainer recomputes its logprobs in one forward pass. PPO's clip keeps ``pi_theta`` close to it,
   so the trust region is measured from where the trainer is, not from a stale sampler.
 
+Tokens sampled under a constraint (a request's ``grammar``, or its ``top_k``) are trained as they
+were sampled, with one rule for which distribution each log-probability belongs to:
+
+* ``behavior_logprobs`` are what the rollout engine recorded: the distribution the token was drawn
+  from, i.e. the model's with the grammar's mask (and top_k) applied and renormalised over the
+  allowed tokens, ``mu(a) = pi(a) / Z`` where ``Z`` is the mass ``pi`` gave the allowed set;
+* ``proximal_logprobs`` and ``logprobs`` are the trainer's recompute of the **unconstrained** model:
+  the mask does not enter them. The policy being trained is the model itself, which will later be
+  sampled with or without a grammar; the grammar is part of how this sample was collected, not of
+  the policy, and the trainer does not even have it (a Trajectory carries tokens, not grammars).
+
+So the decoupled objective's behaviour weight ``w = pi_prox / mu = Z`` (on fresh samples) is exactly
+the off-policy correction for the constraint: at most 1, never capped by ``behav_imp_weight_cap``,
+and small where the model put little mass on what the grammar allowed (a token it was forced to
+emit teaches it little until it would emit it unforced). The ratio ``r = pi_theta / pi_prox`` and its
+clip are unchanged: both are the unconstrained model's. tests/test_constrained_decode.py runs a real
+update on constrained samples and checks that its ``mean_w`` is the mean of ``pi_prox / mu`` with the
+engine's recorded ``mu``.
+
 The module imports torch, so ``areal_bus`` exposes its public names lazily (see ``__init__``):
 nodes that never train do not pay for the import.
 """
@@ -68,7 +87,8 @@ def decoupled_ppo_loss(
     * ``proximal_logprobs`` -- ``log pi_prox(a_t)``: the trainer's weights *before* this update step,
       recomputed by the trainer. It is the PPO trust-region anchor. Detached here.
     * ``behavior_logprobs`` -- ``log pi_behav(a_t)``: the logprobs the rollout engine sampled with,
-      possibly several policy versions old (and mixed within one trajectory). Detached here.
+      possibly several policy versions old (and mixed within one trajectory); for a constrained token
+      the masked, renormalised distribution's (the module docstring). Detached here.
     * ``advantages`` -- ``A_t``, e.g. from :func:`grpo_advantages` broadcast over a sample's tokens.
       Detached here (advantages are constants of the objective).
     * ``loss_mask`` -- bool or 0/1: which tokens are trained on (generated tokens, not prompt or

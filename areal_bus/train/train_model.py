@@ -29,7 +29,9 @@ because no library does them for this objective or this use:
   -- what FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` does per all-gather, for a model that
   is not sharded; or ``torch.autocast`` over the masters (the parallel layouts), which casts every
   weight again at every use, in the proximal pass, the forward and the head's recompute (the
-  profile in bench/RESULTS.md: 12,800 copy/cast kernels per two updates).
+  profile in bench/RESULTS.md: 12,800 copy/cast kernels per two updates). With LoRA
+  (``trainer_engine.lora``, areal_bus/train/lora.py) the base is frozen in the compute dtype already
+  and only the adapters have float32 masters: no compute copy, autocast casts the adapters at each use.
 
 Quick check::
 
@@ -45,6 +47,7 @@ from pathlib import Path
 import torch
 
 from areal_bus.train import fa4_ops  # noqa: F401  (registers areal_bus::fa4_varlen_fwd/_bwd)
+from areal_bus.train import lora as lora_adapters
 from areal_bus.model.modeling import as_dtype, logprobs_and_normaliser, scaled_logits
 from areal_bus.train.packing import Packed
 
@@ -169,9 +172,11 @@ def _register_varlen() -> None:
 
 
 def load_policy(path: str | Path, device: str | torch.device = "cpu", *, attn_implementation: str = VARLEN,
-                gradient_checkpointing: bool = False):
+                gradient_checkpointing: bool = False, lora=None, dtype: torch.dtype | str = torch.float32):
     """The policy to train: float32 master weights from a local Hugging Face folder (config.json and
-    safetensors), on ``device``. Raises with the folder's name when transformers cannot build it."""
+    safetensors), on ``device``. With ``lora`` (trainer_engine.lora): the base frozen in ``dtype``
+    (model.dtype) with float32 adapters (areal_bus/train/lora.py). Raises with the folder's name when
+    transformers cannot build it."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
@@ -179,10 +184,12 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", *, attn_im
     if attn_implementation == VARLEN_FA4:
         check_fa4(device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation,
-                                                     local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=as_dtype(dtype) if lora else torch.float32,
+                                                     attn_implementation=attn_implementation, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"model.path {path}: transformers cannot build a causal LM from it ({exc})") from exc
+    if lora is not None:
+        lora_adapters.inject(model, lora)
     model.to(device)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -509,7 +516,8 @@ def packed_logprobs(model, packed: Packed, temperature: float = 1.0, *, chunk: i
 
 
 def train_flops(n_params: int, layers: int, hidden: int, tokens: int, seq_sq_sum: int,
-                proximal: tuple[int, int] | None = None, head: tuple[int, int, int] | None = None) -> float:
+                proximal: tuple[int, int] | None = None, head: tuple[int, int, int] | None = None,
+                adapter: int = 0) -> float:
     """FLOPs of one update over ``tokens`` real tokens: 6 N per token for forward and backward of the
     matmuls (N = parameters, a tied embedding counted once, as the lm_head matmul), causal attention's
     2 x layers x hidden x sum(len^2) per forward (x3 with backward), and one more forward for the
@@ -517,11 +525,18 @@ def train_flops(n_params: int, layers: int, hidden: int, tokens: int, seq_sq_sum
     takes the first mini-batch's from its training forward). ``head`` = (the lm_head's parameters,
     the tokens whose log-probability the loss reads, those of them in the proximal pass): the head's
     matmul counted on those tokens only (the engine computes no other; None: on every token).
+    ``adapter``: with LoRA, the adapters' parameters, and ``n_params`` the frozen base's: the base's
+    matmuls cost 2 N per token forward and 2 N backward (the activations' gradients flow through them;
+    no weight gradient is made), 4 N instead of 6 N; the adapters 6 per parameter and token as any
+    trained weight (2 in the proximal forward); attention as without.
     Recomputation (the head's in backward, activation checkpointing) is not counted: MFU counts useful
     work."""
     hp, head_tokens, prox_head_tokens = head or (0, 0, 0)
-    fwd = lambda n, sq, h: 2 * (n_params - hp) * n + 2 * hp * h + 2 * layers * hidden * sq
+    matmuls = lambda n, h: 2 * (n_params - hp) * n + 2 * hp * h  # one forward of the base's matmuls
+    attention = lambda sq: 2 * layers * hidden * sq  # one forward
     prox = proximal or (tokens, seq_sq_sum)
     if head is None:
         head_tokens, prox_head_tokens = tokens, prox[0]
-    return 3 * fwd(tokens, seq_sq_sum, head_tokens) + fwd(*prox, prox_head_tokens)
+    passes = 2 if adapter else 3  # through the base's matmuls: forward, activation gradients, weight gradients
+    return (passes * matmuls(tokens, head_tokens) + 3 * attention(seq_sq_sum) + 6 * adapter * tokens
+            + matmuls(prox[0], prox_head_tokens) + attention(prox[1]) + 2 * adapter * prox[0])

@@ -63,6 +63,9 @@ class _Spec:
         hints = typing.get_type_hints(cls, include_extras=True)
         self.cls = cls
         self.arrays = tuple(cls.ARRAYS) if hasattr(cls, "ARRAYS") else ()
+        # Per array: (dtype name, rank) it must have, or None (any wire dtype, any shape).
+        kinds = getattr(cls, "ARRAY_KINDS", {})
+        self.kinds = tuple(kinds.get(name) for name in self.arrays)
         # (name, allowed types, those types as a set, required, contents check or None). decode accepts
         # a value whose exact type is in the set without calling _check_scalar: what msgpack produces
         # is always an exact builtin type, and an exact match passes that check (bool only matches
@@ -157,11 +160,13 @@ class Encoder:
         spec = _SPECS[msg.TAG]
         body = {name: getattr(msg, name) for name in spec.scalar_order}
         metas, bufs = [], []
-        for name in spec.arrays:
+        for name, kind in zip(spec.arrays, spec.kinds):
             arr = np.ascontiguousarray(getattr(msg, name))
             dname = _DTYPE_NAMES.get(arr.dtype)
             if dname is None:
                 raise TypeError(f"{msg.TAG}.{name}: dtype {arr.dtype} cannot cross the wire")
+            if kind is not None and (dname, arr.ndim) != kind:
+                raise TypeError(f"{msg.TAG}.{name}: {arr.ndim}-d {dname}, must be {kind[1]}-d {kind[0]}")
             metas.append([name, dname, list(arr.shape)])
             # A flat uint8 view, still no copy: memoryview cannot export ml_dtypes types (bfloat16).
             bufs.append(memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b"")
@@ -214,13 +219,13 @@ def decode(frames: typing.Sequence) -> tuple[Envelope, object]:
         raise DecodeError("unknown_field", ",".join(sorted(map(str, set(body) - spec.scalar_names)))[:64])
     if len(metas) != len(spec.arrays) or len(frames) != 1 + len(metas):
         raise DecodeError("array_count", f"{len(metas)} metas, {len(frames) - 1} frames")
-    for expected, meta, frame in zip(spec.arrays, metas, frames[1:]):
-        kwargs[expected] = _array(expected, meta, frame)
+    for expected, kind, meta, frame in zip(spec.arrays, spec.kinds, metas, frames[1:]):
+        kwargs[expected] = _array(expected, meta, frame, kind)
     env = Envelope(wire_version, tag, producer)
     return env, spec.cls(**kwargs)
 
 
-def _array(expected: str, meta, frame) -> np.ndarray:
+def _array(expected: str, meta, frame, kind: tuple[str, int] | None = None) -> np.ndarray:
     if not (isinstance(meta, list) and len(meta) == 3 and meta[0] == expected):
         raise DecodeError("bad_array_meta", expected)
     _, dname, shape = meta
@@ -229,6 +234,8 @@ def _array(expected: str, meta, frame) -> np.ndarray:
         raise DecodeError("bad_dtype", repr(dname)[:32])
     if not (isinstance(shape, list) and len(shape) <= 8):
         raise DecodeError("bad_shape", expected)
+    if kind is not None and (dname != kind[0] or len(shape) != kind[1]):
+        raise DecodeError("bad_array_kind", f"{expected}: {len(shape)}-d {dname}"[:64])
     for d in shape:  # a loop, not all(<generator>): this runs for every array of every message
         # bool is an int subclass, but numpy will not reshape by one.
         if not (isinstance(d, int) and not isinstance(d, bool) and d >= 0):

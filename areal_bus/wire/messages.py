@@ -1,7 +1,8 @@
 """Every message that crosses the bus, in one place, each with its direction and channel.
 
 A message is a plain dataclass. Scalar fields travel in a msgpack header; fields named in ``ARRAYS``
-are numpy arrays that travel as raw buffers in extra zero-copy frames (see ``codec``). The envelope
+are numpy arrays that travel as raw buffers in extra zero-copy frames (see ``codec``), of any wire dtype
+and shape unless ``ARRAY_KINDS`` fixes an array's dtype and rank. The envelope
 around every message carries only the wire version, the type tag and the producer id; the policy
 version a payload was made under is in the message itself (``Completion.versions``, one per token).
 
@@ -75,6 +76,23 @@ Ids = list[str]
 """Trajectory or request ids: nodes look them up in dicts, so each must be a string (checked at decode)."""
 
 
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives per token a request may ask for (OpenAI's bound, and vLLM's default max_logprobs)."""
+
+TOP_ARRAY_KINDS = {"top_ids": ("int32", 2), "top_logprobs": ("float32", 2)}
+"""The dtype and rank the top-logprob arrays must have (a message's ``ARRAY_KINDS``; decode refuses
+others): the gateway indexes them per token and per alternative and hands the ids to its tokenizer."""
+
+
+def no_top_ids() -> np.ndarray:
+    """``top_ids`` of a request that asked for no top logprobs."""
+    return np.zeros((0, 0), np.int32)
+
+
+def no_top_logprobs() -> np.ndarray:
+    return np.zeros((0, 0), np.float32)
+
+
 def message(tag: str):
     """Register a dataclass as a wire message under a short type tag."""
 
@@ -123,6 +141,19 @@ class GenerateRequest:
     ignore_eos: bool = False
     """Generate through the model's eos token(s): only ``stop`` ids and ``max_tokens`` end the request
     (the longtail workload: every output is exactly max_tokens real generated tokens)."""
+    grammar: str = ""
+    """xgrammar EBNF (what ``str(xgrammar.Grammar)`` prints) every output must follow; "" = unconstrained.
+    The gateway builds it (from a JSON schema or a tool's parameters) and checks it; the worker compiles
+    it for its own tokenizer (cached by the text) and masks each step's logits with it. The request ends
+    with finish_reason "stop" when the grammar is complete and a stop token was sampled."""
+    top_logprobs: Annotated[int, IntRange(0, MAX_TOP_LOGPROBS)] = 0
+    """The k most likely tokens of the distribution each token was sampled from, per output token
+    (Completion.top_ids / top_logprobs); 0: none."""
+    seed: Annotated[int, IntRange(-1, 2**63 - 1)] = -1
+    """-1: the worker's own generator. Else a generator of this request's own, seeded with it: the
+    same seed and inputs give the same tokens on the same engine, whatever else runs beside them."""
+    top_k: Annotated[int, IntRange(0, 2**31 - 1)] = 0
+    """0: off. Else sample among the k most likely tokens (after the grammar's mask)."""
 
 
 @message("comp")
@@ -132,18 +163,28 @@ class Completion:
     token ids sampled, each with its log-probability and the policy version that produced it."""
 
     TAG: ClassVar[str]
-    ARRAYS: ClassVar[tuple[str, ...]] = ("output_ids", "logprobs", "versions")
+    ARRAYS: ClassVar[tuple[str, ...]] = ("output_ids", "logprobs", "versions", "top_ids", "top_logprobs")
+    ARRAY_KINDS: ClassVar[dict[str, tuple[str, int]]] = TOP_ARRAY_KINDS
     request_id: str
     episode_id: str
     ticket: int
     worker: str
     output_ids: np.ndarray
     logprobs: np.ndarray
+    """Per token, the behaviour log-probability: log p(token) under the distribution it was actually
+    sampled from (temperature, the grammar's mask and top_k applied and renormalised; see the engine's
+    docstring for top_p)."""
     versions: np.ndarray
     finish_reason: str = "length"
     gen_seconds: float = 0.0
     error: str = ""
     """Non-empty when the worker refused the request (why: a prompt longer than its cache, ...); no tokens."""
+    top_ids: np.ndarray = field(default_factory=no_top_ids)
+    """int32 [tokens, k] with k the request's ``top_logprobs``: the k most likely ids of each token's
+    distribution, most likely first ([0, 0] when the request asked for none)."""
+    top_logprobs: np.ndarray = field(default_factory=no_top_logprobs)
+    """float32 [tokens, k]: their log-probabilities under that distribution, descending (-inf for a
+    token the grammar's mask or top_k left out)."""
 
 
 @message("part")
@@ -155,10 +196,14 @@ class PartialCompletion:
     token anyway. ``start`` is the index of ``output_ids[0]`` in the request's output."""
 
     TAG: ClassVar[str]
-    ARRAYS: ClassVar[tuple[str, ...]] = ("output_ids",)
+    ARRAYS: ClassVar[tuple[str, ...]] = ("output_ids", "top_ids", "top_logprobs")
+    ARRAY_KINDS: ClassVar[dict[str, tuple[str, int]]] = TOP_ARRAY_KINDS
     request_id: str
     start: Annotated[int, IntRange(0, 2**31 - 1)]
     output_ids: np.ndarray
+    top_ids: np.ndarray = field(default_factory=no_top_ids)
+    """As Completion's, for these tokens."""
+    top_logprobs: np.ndarray = field(default_factory=no_top_logprobs)
 
 
 @message("traj")

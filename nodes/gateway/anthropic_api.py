@@ -193,6 +193,8 @@ class Tool(_Shape):
     description: Optional[str] = Field(None, description="What the tool does, shown to the model.")
     input_schema: Optional[dict[str, Any]] = Field(None, description="JSON Schema of the tool's input object.")
     type: Optional[str] = Field(None, description="'custom' or absent; Anthropic server tools are refused.")
+    strict: Optional[StrictBool] = Field(None, description="true: the input always follows input_schema (a "
+                                         "grammar constrains it whenever the model calls the tool).")
 
 
 class ToolChoiceAuto(_Shape):
@@ -244,9 +246,16 @@ class ContextManagement(_Shape):
     edits: list[ContextEdit] = Field(default_factory=list, description="Server-side context edits.")
 
 
+class OutputFormat(_Shape):
+    type: Literal["json_schema"] = Field(description="The only structured output format.")
+    schema_: dict[str, Any] = Field(alias="schema", description="The JSON Schema the reply's text follows.")
+
+
 class OutputConfig(_Shape):
     effort: Optional[Literal["low", "medium", "high", "max"]] = Field(
         None, description="Accepted, no effect: the policy has no effort control (Claude Code always sends it).")
+    format: Optional[OutputFormat] = Field(None, description="Structured output: the reply's text is JSON of "
+                                           "this schema (a grammar constrains it).")
 
 
 class MessagesRequest(_Shape):
@@ -260,13 +269,13 @@ class MessagesRequest(_Shape):
     tool_choice: Optional[_ToolChoice] = Field(None, description="How the model must use the tools.")
     temperature: Optional[float] = Field(None, ge=0.0, le=1.0, description="Sampling temperature, 0 to 1.")
     top_p: Optional[float] = Field(None, ge=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: Optional[StrictInt] = Field(None, ge=0, description="Refused: the policy's engines have no top-k.")
+    top_k: Optional[StrictInt] = Field(None, ge=0, description="Sample among the k most likely tokens.")
     stop_sequences: Optional[list[str]] = Field(None, description="Strings that end the reply.")
     stream: StrictBool = Field(False, description="Reply as server-sent events; read by the caller, not here.")
     metadata: Optional[Metadata] = Field(None, description="Request metadata; only user_id is used.")
     thinking: Optional[Thinking] = Field(None, description="Whether the reply shows the policy's reasoning.")
     context_management: Optional[ContextManagement] = Field(None, description="Context edits (keep-all only).")
-    output_config: Optional[OutputConfig] = Field(None, description="effort only; a 'format' is refused.")
+    output_config: Optional[OutputConfig] = Field(None, description="effort (no effect) and format.")
     service_tier: Optional[str] = Field(None, description="Accepted, no effect: there is one tier.")
 
     @field_validator("system", mode="before")
@@ -283,7 +292,6 @@ _DROPPED_WHY = {
 }
 
 REFUSED_WHY = {
-    "top_k": "the policy's engines have no top-k sampling",
     "container": "the gateway runs no code-execution container",
     "mcp_servers": "the gateway connects to no MCP servers",
     "inference_geo": "there is one place the policy runs",
@@ -415,6 +423,8 @@ def _tools(req: MessagesRequest) -> list[dict]:
         function = {"name": tool.name, "parameters": tool.input_schema}
         if tool.description is not None:
             function["description"] = tool.description
+        if tool.strict is not None:
+            function["strict"] = tool.strict
         out.append({"type": "function", "function": function})
     return out
 
@@ -471,6 +481,12 @@ def to_openai_request(body: dict) -> dict:
         out["temperature"] = req.temperature
     if req.top_p is not None:
         out["top_p"] = req.top_p
+    if req.top_k is not None:
+        out["top_k"] = req.top_k
+    fmt = req.output_config.format if req.output_config is not None else None
+    if fmt is not None:  # Anthropic's structured output is always strict
+        out["response_format"] = {"type": "json_schema",
+                                  "json_schema": {"name": "output", "schema": fmt.schema_, "strict": True}}
     if req.stop_sequences:
         out["stop"] = list(req.stop_sequences)
     if req.metadata is not None and req.metadata.user_id:
@@ -483,16 +499,25 @@ def to_openai_request(body: dict) -> dict:
 
 def _refuse_fields(body: dict, req: MessagesRequest) -> None:
     unknown = sorted(set(body) - set(MessagesRequest.model_fields))
-    if req.top_k is not None:
-        unknown.insert(0, "top_k")
     if isinstance(body.get("output_config"), dict):
-        unknown += [f"output_config.{k}" for k in sorted(body["output_config"]) if k != "effort"]
+        unknown += [f"output_config.{k}" for k in sorted(body["output_config"]) if k not in ("effort", "format")]
     for name in unknown:
-        why = REFUSED_WHY.get(name) or ("structured output needs guided decoding, which the policy's engines here "
-                                        "do not have" if name == "output_config.format" else
-                                        "the gateway does not act on this field, so it refuses it rather than "
+        why = REFUSED_WHY.get(name) or ("the gateway does not act on this field, so it refuses it rather than "
                                         "ignore it")
         raise AnthropicError(400, f"{name}: not supported by this gateway: {why}", "unsupported_parameter")
+
+
+_CHAT_PATHS = ((re.compile(r"response_format\.json_schema\.schema"), "output_config.format.schema"),
+               (re.compile(r"tools\[(\d+)\]\.function\.parameters"), r"tools.\1.input_schema"),
+               (re.compile(r"tools\[(\d+)\]\.function\."), r"tools.\1."))
+
+
+def anthropic_path(text: str) -> str:
+    """Chat-path parameter paths in ``text`` as the Anthropic request names them (a schema refused on the
+    chat path: tools[0].function.parameters -> tools.0.input_schema)."""
+    for pattern, name in _CHAT_PATHS:
+        text = pattern.sub(name, text)
+    return text
 
 
 def shows_thinking(body: dict) -> bool:

@@ -65,7 +65,10 @@ class AnthropicRoutes:
                     return live.stream
         except OpenAIError as err:
             hint = " (Claude Code: set ANTHROPIC_MODEL to it)" if err.code == "model_not_found" else ""
-            raise anthropic_api.AnthropicError(err.status, err.message + hint, _reason(err), err.headers) from None
+            message = err.message
+            if err.code == "invalid_schema":  # starts with the field's path, as Anthropic's messages do
+                message = f"{anthropic_api.anthropic_path(err.param)}: {anthropic_api.anthropic_path(message)}"
+            raise anthropic_api.AnthropicError(err.status, message + hint, _reason(err), err.headers) from None
         thinking = anthropic_api.shows_thinking(body)
         if body.get("stream"):
             events = anthropic_reply.stream_events(resp, model, thinking)

@@ -21,6 +21,7 @@ version that produced it. Two backends implement the protocol:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import queue
 import threading
@@ -32,6 +33,9 @@ import numpy as np
 
 from areal_bus.engines.base import TokenStreams
 from areal_bus.wire.messages import Completion, GenerateRequest
+
+MAX_SEED = 2**63 - 1
+"""The largest seed GenerateRequest takes (a signed 64-bit generator seed)."""
 
 ENGINE_IDLE_WAIT_S = 0.05
 """How long the engine thread blocks waiting for work when nothing is running. Short enough that
@@ -53,6 +57,30 @@ class SamplingParams:
     ticket: int = 0
     """The session's admission ticket (``sessions.Session.ticket``), sent as ``GenerateRequest.ticket``:
     the rollout worker logs ticket // trigger_batch_size as its step. 0 outside a session."""
+    grammar: str = ""
+    """xgrammar EBNF every output must follow (nodes/gateway/structured.py builds it); "" for none."""
+    top_logprobs: int = 0
+    """The k most likely alternatives to return per output token (Completion.top_ids / top_logprobs)."""
+    seed: int | None = None
+    """A generator of the request's own, seeded with this (None: the engine's shared one)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens (0: off)."""
+
+    def for_choice(self, i: int) -> "SamplingParams":
+        """Choice ``i`` of a request: with a seed, seed + i, so n seeded choices differ (as vLLM's do) and
+        the same request with the same seed gives the same n replies."""
+        if self.seed is None or i == 0:
+            return self
+        return dataclasses.replace(self, seed=(self.seed + i) % (MAX_SEED + 1))
+
+    def request(self, request_id: str, episode_id: str, prompt_ids: np.ndarray, stream: bool) -> GenerateRequest:
+        """The wire request for one completion of ``prompt_ids`` with these parameters."""
+        return GenerateRequest(
+            request_id=request_id, episode_id=episode_id, ticket=self.ticket, min_version=0,
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+            prompt_ids=np.asarray(prompt_ids, dtype=np.int32), stop=list(self.stop_token_ids), meta=dict(self.meta),
+            stream=stream, grammar=self.grammar, top_logprobs=self.top_logprobs,
+            seed=-1 if self.seed is None else self.seed, top_k=max(self.top_k, 0))
 
 
 class Backend(Protocol):
@@ -96,11 +124,7 @@ class LocalEngineBackend:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         rid = f"gw-{next(self._ids)}"
-        req = GenerateRequest(
-            request_id=rid, episode_id=session_id or rid, ticket=params.ticket, min_version=0,
-            max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-            prompt_ids=np.asarray(prompt_ids, dtype=np.int32), stop=list(params.stop_token_ids),
-            meta=dict(params.meta), stream=on_tokens is not None)
+        req = params.request(rid, session_id or rid, prompt_ids, on_tokens is not None)
         self._inbox.put((req, loop, fut, on_tokens))
         return await fut
 

@@ -200,10 +200,7 @@ class BusBackend:
             await asyncio.sleep(0.1)
             waited += 0.1
         rid = f"gw-{self._prefix}-{next(self._ids)}"
-        req = m.GenerateRequest(
-            request_id=rid, episode_id=session_id or rid, ticket=params.ticket, min_version=0,
-            max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-            prompt_ids=np.asarray(prompt_ids, np.int32), stop=list(params.stop_token_ids), stream=on_tokens is not None)
+        req = params.request(rid, session_id or rid, prompt_ids, on_tokens is not None)
         frames = self.encoder.encode(req)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()

@@ -7,11 +7,11 @@
 (the tokenizer's special tokens added); as token ids it is used as sent, never decoded and re-encoded.
 Each prompt gets ``n`` choices (OpenAI's order: prompt 0's choices first). ``max_tokens`` (16 if unset,
 as OpenAI's), ``temperature``, ``top_p``, ``stop`` (up to 4 strings: the text is cut before the
-earliest, the ids run through the token that completed it), ``logprobs: 0`` (the sampled tokens'
-log-probabilities in the legacy format), ``stream`` (+ ``stream_options.include_usage``), ``user``.
-Refused with a 400 naming the field: ``echo: true``, ``logprobs`` >= 1 (the k most likely alternatives
-need the engine's distribution, which the rollout backend does not return), ``suffix``, ``best_of`` > 1,
-non-zero penalties, ``logit_bias``, ``seed``, and any field it does not know.
+earliest, the ids run through the token that completed it), ``logprobs: k`` (the sampled tokens'
+log-probabilities in the legacy format, with the k most likely alternatives of each and the sampled one,
+k <= 20), ``seed`` (choice c of a prompt samples with seed + c), ``stream`` (+
+``stream_options.include_usage``), ``user``. Refused with a 400 naming the field: ``echo: true``,
+``suffix``, ``best_of`` > 1, non-zero penalties, ``logit_bias``, and any field it does not know.
 
 Recording (a session key): each prompt's choices are one turn of the session, with the prompt ids
 exactly as sent. A prompt whose ids begin with everything one of the session's completions branches
@@ -29,7 +29,6 @@ the config, metrics and log; it adds its route with ``register`` (``app.make_app
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import time
 
@@ -38,14 +37,16 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from areal_bus.config.node_configs import GatewayConfig
-from nodes.gateway.backend import Backend, SamplingParams
+from areal_bus.wire.messages import MAX_TOP_LOGPROBS
+from nodes.gateway.backend import MAX_SEED, Backend, SamplingParams
 from nodes.gateway.chat import ChatRenderer
 from nodes.gateway.keys import Keys
 from nodes.gateway.live import TextFeed
-from nodes.gateway.openai_api import MAX_N, MAX_STOPS, SSE_DONE, OpenAIError, sse, usage, validation_error
+from nodes.gateway.openai_api import MAX_N, MAX_STOPS, SSE_DONE, OpenAIError, finite, sse, usage, validation_error
 from nodes.gateway.policy_chat import Pending, ResponseIds
 from nodes.gateway.server import ADMIN, SSE_HEADERS, json_response, read_json
 from nodes.gateway.sessions import Choice, Session, SessionStore
+from nodes.gateway.shaping import cut_completion
 
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for a completions request that names no max_tokens (the chat API's is the rest of
@@ -68,7 +69,7 @@ class CompletionRequest(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     n: int | None = Field(None, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = None
     stream: bool | None = None
     stream_options: dict | None = None
@@ -77,7 +78,7 @@ class CompletionRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     user: str | None = None
 
     @property
@@ -88,15 +89,11 @@ class CompletionRequest(BaseModel):
 _CANNOT = [
     ("echo", lambda r: r.echo, "echo: true is not served: the gateway returns only what the policy sampled "
      "(score a prompt's own tokens with the trainer's model)"),
-    ("logprobs", lambda r: (r.logprobs or 0) > 0, "only logprobs: 0 is served (the sampled tokens' "
-     "log-probabilities): the k most likely alternatives need the engine's distribution, which the rollout "
-     "backend does not return"),
     ("suffix", lambda r: r.suffix is not None, "suffix (fill-in-the-middle) is not served"),
     ("best_of", lambda r: (r.best_of or 1) > 1, "best_of > 1 is not served: ask for n choices and pick"),
     ("presence_penalty", lambda r: bool(r.presence_penalty), "penalties are not applied by the rollout engines"),
     ("frequency_penalty", lambda r: bool(r.frequency_penalty), "penalties are not applied by the rollout engines"),
     ("logit_bias", lambda r: bool(r.logit_bias), "logit_bias is not applied by the rollout engines"),
-    ("seed", lambda r: r.seed is not None, "per-request seeds are not honoured by the rollout engines"),
     ("stream_options", lambda r: bool(set(r.stream_options or {}) - {"include_usage"}),
      "stream_options takes include_usage only"),
 ]
@@ -125,14 +122,24 @@ def parse_completion_request(data) -> CompletionRequest:
     return req
 
 
-def legacy_logprobs(decode, ids, lps) -> dict:
-    """OpenAI's completions ``logprobs`` for the sampled tokens (no alternatives: top_logprobs null)."""
+def legacy_logprobs(decode, ids, lps, top_ids=None, top_lps=None) -> dict:
+    """OpenAI's completions ``logprobs`` for the sampled tokens; with ``top_ids`` / ``top_lps`` ([tokens, k], k > 0),
+    per token the k most likely alternatives and the sampled token, text -> log-probability (OpenAI's up
+    to k + 1 entries), else ``top_logprobs`` null."""
     tokens = [decode([int(t)]) for t in ids]
     offsets, at = [], 0
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": [float(x) for x in lps], "top_logprobs": None, "text_offset": offsets}
+    top = None
+    if top_ids is not None:
+        top = []
+        for i, text in enumerate(tokens):
+            alts = {decode([int(t)]): finite(lp) for t, lp in zip(top_ids[i], top_lps[i])}
+            alts.setdefault(text, finite(lps[i]))
+            top.append(alts)
+    return {"tokens": tokens, "token_logprobs": [finite(x) for x in lps], "top_logprobs": top,
+            "text_offset": offsets}
 
 
 class CompletionsRoutes:
@@ -176,7 +183,8 @@ class CompletionsRoutes:
         params = [SamplingParams(max_tokens=min(req.max_tokens or DEFAULT_MAX_TOKENS, self.max_context - p.size),
                                  temperature=temperature, top_p=1.0 if req.top_p is None else float(req.top_p),
                                  stop_token_ids=tuple(self.renderer.stop_token_ids(stops)),
-                                 ticket=session.ticket if session is not None else 0) for p in prompts]
+                                 ticket=session.ticket if session is not None else 0,
+                                 top_logprobs=req.logprobs or 0, seed=req.seed) for p in prompts]
         total = len(prompts) * n
         self.pending.admit(total)
         loop = asyncio.get_running_loop()
@@ -233,8 +241,9 @@ class CompletionsRoutes:
                 return {} if tokens is None else {"on_tokens": lambda s, ids: tokens.put_nowait((k, s, ids))}
 
             sid = session.id if session is not None else ""
-            results = await asyncio.gather(*(self.backend.generate(sid, prompts[k // n], params[k // n], **kw(k))
-                                             for k in range(len(prompts) * n)), return_exceptions=True)
+            results = await asyncio.gather(*(
+                self.backend.generate(sid, prompts[k // n], params[k // n].for_choice(k % n), **kw(k))
+                for k in range(len(prompts) * n)), return_exceptions=True)
             failed = next((r for r in results if isinstance(r, BaseException)), None)
             outs = [None if isinstance(r, BaseException) else self._cut(r, stops) for r in results]
             if session is not None:
@@ -265,8 +274,7 @@ class CompletionsRoutes:
         if stops:
             keep, text, stopped = self.renderer.apply_stop(ids, stops)
             if keep < ids.size:
-                comp = dataclasses.replace(comp, output_ids=ids[:keep], logprobs=comp.logprobs[:keep],
-                                           versions=comp.versions[:keep], finish_reason="stop")
+                comp = cut_completion(comp, keep)
         else:
             text, stopped = self.renderer.decode(ids), False
         return comp, text, "stop" if stopped else comp.finish_reason
@@ -294,7 +302,8 @@ class CompletionsRoutes:
         if req.logprobs is not None:
             ids = comp.output_ids
             keep = ids.size - (1 if ids.size and int(ids[-1]) == self.renderer.eos_id else 0)
-            lp = legacy_logprobs(self.renderer.decode, ids[:keep], comp.logprobs[:keep])
+            top = (comp.top_ids[:keep], comp.top_logprobs[:keep]) if req.logprobs else (None, None)
+            lp = legacy_logprobs(self.renderer.decode, ids[:keep], comp.logprobs[:keep], *top)
         return {"text": text, "index": index, "logprobs": lp, "finish_reason": finish}
 
     def _completion_response(self, req, rid: str, created: int, prompts, outs) -> dict:

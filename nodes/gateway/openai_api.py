@@ -2,12 +2,14 @@
 
 Requests are validated strictly (a string where a number belongs is a 400 naming the field, as
 OpenAI's own API does), and every field is either acted on or refused (``unsupported``): a field that
-would change the reply and that the policy's engines cannot honour (``seed``, ``response_format``
-json_object / json_schema, ``top_logprobs`` > 0, penalties, ``logit_bias``, ...) is a 400 naming it, as is
-a field the gateway does not know; only bookkeeping fields with no effect on the reply (``user``,
-``metadata``, ``store``, ...: ``BOOKKEEPING``) and no-op values (``frequency_penalty: 0``,
-``response_format: {"type": "text"}``) pass. docs/gateway.md's field table lists each. Every client error is
-an ``OpenAIError``, rendered as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
+would change the reply and that the policy's engines cannot honour (penalties, ``logit_bias``, a modality
+other than text, a JSON schema keyword the grammar cannot apply, ...) is a 400 naming it, as is a field
+the gateway does not know; only bookkeeping fields with no effect on the reply (``user``, ``metadata``,
+``store``, ...: ``BOOKKEEPING``) and no-op values (``frequency_penalty: 0``) pass. ``response_format``
+and the schemas of forced or strict tool calls are checked here (``structured.wanted``, kept as
+``ChatRequest.wanted``; the grammar is built when the request is served). docs/gateway.md's field
+table lists each. Every client error is an ``OpenAIError``, rendered as ``{"error": {"message", "type",
+"param", "code"}}`` with a 4xx status.
 """
 
 from __future__ import annotations
@@ -16,13 +18,21 @@ import json
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+
+from areal_bus.wire.messages import MAX_TOP_LOGPROBS
+from nodes.gateway import structured
+from nodes.gateway.backend import MAX_SEED
 
 MAX_N = 16
 """Most choices one request may ask for: each is a sequence in the engine's batch."""
 
 MAX_STOPS = 4
 """OpenAI's own limit on stop sequences."""
+
+LOGPROB_FLOOR = -9999.0
+"""A log-probability of -inf (a token the grammar or top_k ruled out) as it is written in a reply: JSON has
+no infinity, and vLLM and OpenAI write this value."""
 
 
 class OpenAIError(Exception):
@@ -90,6 +100,7 @@ class FunctionDef(_Lenient):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict | None = None
+    strict: bool | None = None
 
 
 class Tool(_Lenient):
@@ -115,13 +126,16 @@ class ChatRequest(_Lenient):
     tools: list[Tool] | None = None
     tool_choice: str | dict | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     parallel_tool_calls: bool | None = None
     response_format: dict | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's extension (-1 and 0: off); the Anthropic route's top_k
+    modalities: list[str] | None = None
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict | None = None
+    _wanted: structured.Wanted = PrivateAttr(default=structured.NOTHING)
 
     @model_validator(mode="after")
     def _limits(self):
@@ -142,6 +156,18 @@ class ChatRequest(_Lenient):
     @property
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def wanted(self) -> structured.Wanted:
+        """The replies' shape as ``unsupported`` checked it (a JSON content, constrained calls)."""
+        return self._wanted
+
+    @property
+    def offered_tools(self) -> list[dict] | None:
+        """The tools offered to the policy, as dicts (None when there are none, or tool_choice is none)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "literal"}
@@ -202,8 +228,6 @@ BOOKKEEPING = {
 """Fields accepted whatever their value: they say who asks or how to bill, never what to sample."""
 
 REFUSED = {
-    "seed": "the policy's engines sample from one shared generator per batch: a per-request seed cannot "
-            "be honoured (leave it out; temperature 0 is deterministic)",
     "reasoning_effort": "the policy has no reasoning-effort control",
     "functions": "the legacy functions API: send 'tools' instead",
     "function_call": "the legacy functions API: send 'tool_choice' instead",
@@ -226,22 +250,60 @@ def unsupported(req: ChatRequest) -> None:
             continue
         raise _refuse(name, REFUSED.get(name, "the gateway does not act on this field, so it refuses it "
                                                 "rather than ignore it"))
-    if req.seed is not None:
-        raise _refuse("seed", REFUSED["seed"])
-    fmt = req.response_format
-    if fmt is not None and fmt.get("type") != "text":
-        raise _refuse("response_format", f"type {fmt.get('type')!r} needs structured (guided) decoding, which the "
-                      "policy's engines here do not have: only {\"type\": \"text\"}", code="unsupported_value")
-    if req.top_logprobs:
-        raise _refuse("top_logprobs", "the policy backend returns only each sampled token's log-probability, "
-                      "not the distribution: only 0 (logprobs: true gives the sampled tokens')",
-                      code="unsupported_value")
+    if req.modalities is not None and set(req.modalities) - {"text"}:
+        raise _refuse("modalities", f"the policy reads and writes text only: only [\"text\"] (got "
+                      f"{json.dumps(req.modalities)})", code="unsupported_value")
+    if req.top_logprobs and not req.logprobs:
+        raise OpenAIError(400, "Invalid value for 'top_logprobs': it needs 'logprobs': true (the alternatives "
+                          "come with each sampled token's log-probability).", param="top_logprobs",
+                          code="invalid_value")
+    _check_response_format(req.response_format)
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(req, name):
             raise _refuse(name, "the policy's engines apply no penalties: only 0", code="unsupported_value")
     if req.logit_bias:
         raise _refuse("logit_bias", "the policy's engines apply no logit bias: only {}", code="unsupported_value")
     _check_tool_choice(req)
+    try:
+        req._wanted = structured.wanted(req.response_format, req.offered_tools, req.tool_choice,
+                                        req.parallel_tool_calls)
+    except structured.SchemaError as err:
+        raise OpenAIError(400, str(err), param=err.param, code="invalid_schema") from None
+
+
+_JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
+
+
+def _check_response_format(fmt: dict | None) -> None:
+    """response_format is text, json_object or json_schema ({"name", "schema", "strict", "description"})."""
+    if fmt is None:
+        return
+    kind = fmt.get("type")
+
+    def bad(param: str, why: str) -> OpenAIError:
+        return OpenAIError(400, f"Invalid value for '{param}': {why}.", param=param, code="invalid_value")
+
+    if kind not in ("text", "json_object", "json_schema"):
+        raise bad("response_format.type", f"text, json_object or json_schema (got {json.dumps(kind)})")
+    extra = sorted(set(fmt) - {"type", *(("json_schema",) if kind == "json_schema" else ())})
+    if extra:
+        raise OpenAIError(400, f"Unknown parameter: 'response_format.{extra[0]}'.", param=f"response_format.{extra[0]}",
+                          code="unknown_parameter")
+    if kind != "json_schema":
+        return
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad("response_format.json_schema", "an object with 'name' and 'schema'")
+    extra = sorted(set(spec) - _JSON_SCHEMA_KEYS)
+    if extra:
+        raise OpenAIError(400, f"Unknown parameter: 'response_format.json_schema.{extra[0]}'.",
+                          param=f"response_format.json_schema.{extra[0]}", code="unknown_parameter")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise bad("response_format.json_schema.name", "a name is required (a string)")
+    if "schema" in spec and not isinstance(spec["schema"], (dict, bool)):
+        raise bad("response_format.json_schema.schema", "a JSON Schema object")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise bad("response_format.json_schema.strict", "true or false")
 
 
 def _check_tool_choice(req: ChatRequest) -> None:
@@ -353,13 +415,26 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def token_logprobs(tokenizer, ids, logprobs) -> dict:
-    """OpenAI's ``logprobs`` object for sampled tokens (no alternatives: ``top_logprobs`` > 0 is refused)."""
+def token_logprobs(tokenizer, ids, logprobs, top_ids=None, top_logprobs=None) -> dict:
+    """OpenAI's ``logprobs`` object for sampled tokens, each with its ``top_logprobs`` alternatives when the
+    engine returned them (``top_ids`` / ``top_logprobs``: [tokens, k], most likely first)."""
+    k = 0 if top_ids is None else top_ids.shape[1] if top_ids.ndim == 2 and top_ids.shape[0] else 0
     out = []
-    for t, lp in zip(ids, logprobs):
+    for i, (t, lp) in enumerate(zip(ids, logprobs)):
         text = tokenizer.decode([int(t)])
-        out.append({"token": text, "logprob": float(lp), "bytes": list(text.encode()), "top_logprobs": []})
+        alts = [_alternative(tokenizer, top_ids[i, j], top_logprobs[i, j]) for j in range(k)]
+        out.append({"token": text, "logprob": finite(lp), "bytes": list(text.encode()), "top_logprobs": alts})
     return {"content": out, "refusal": None}
+
+
+def _alternative(tokenizer, tid, lp) -> dict:
+    text = tokenizer.decode([int(tid)])
+    return {"token": text, "logprob": finite(lp), "bytes": list(text.encode())}
+
+
+def finite(lp) -> float:
+    """A log-probability as a reply writes it (-inf as LOGPROB_FLOOR)."""
+    return max(float(lp), LOGPROB_FLOOR)
 
 
 def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens: int,

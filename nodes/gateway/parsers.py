@@ -66,6 +66,20 @@ class ToolFormat:
     """Strings that begin a call anywhere in the reply."""
     special: tuple[str, ...] = ()
     """Special tokens of the format that decoding must keep (they are skipped by default)."""
+    # The calls of a reply, as a grammar writes them (structured.py) and forced_prefix begins them:
+    # head, then per call call_open + name + '", "<args_key>": ' + arguments + call_close, calls joined
+    # by separator, then tail; trigger: what begins the calls in free text.
+    head = ""
+    call_open = '{"name": "'
+    args_key = "arguments"
+    call_close = "}"
+    separator = ""
+    tail = ""
+    trigger = ""
+
+    def call_head(self, name: str) -> str:
+        """A call's text up to its arguments object (``name`` JSON-escaped, as json.dumps writes it)."""
+        return f'{self.call_open}{json.dumps(name)[1:-1]}", "{self.args_key}": '
 
     def call_id(self) -> str:
         return f"call_{secrets.token_hex(12)}"
@@ -74,7 +88,9 @@ class ToolFormat:
         raise NotImplementedError
 
     def forced_prefix(self, name: str | None) -> str:
-        raise NotImplementedError
+        """The text a forced call's reply begins with: the calls' head and the call's opening (up to
+        its arguments, for a named function)."""
+        return self.head + (self.call_head(name) if name else self.call_open)
 
     def first_call_end(self, text: str) -> int | None:
         raise NotImplementedError
@@ -98,6 +114,10 @@ class ToolFormat:
 class HermesFormat(ToolFormat):
     name = "hermes"
     marks = ("<tool_call>",)
+    call_open = '<tool_call>\n{"name": "'
+    call_close = "}\n</tool_call>"
+    separator = "\n"
+    trigger = "<tool_call>"
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
     CLOSE = "</tool_call>"
 
@@ -117,9 +137,6 @@ class HermesFormat(ToolFormat):
         rest = self._BLOCK.sub("", text).strip()
         return rest or None, calls
 
-    def forced_prefix(self, name):
-        return '<tool_call>\n{"name": "' + (f'{name}", "arguments": ' if name else "")
-
     def first_call_end(self, text):
         block = self._BLOCK.search(text)
         return block.end() if block else None
@@ -130,6 +147,9 @@ class Llama3JsonFormat(ToolFormat):
     answers either in text or with a JSON call)."""
     name = "llama3_json"
     special = ("<|python_tag|>",)
+    args_key = "parameters"
+    separator = "; "
+    trigger = '{"name": '
     TAG = "<|python_tag|>"
 
     def _objects(self, text: str):
@@ -165,9 +185,6 @@ class Llama3JsonFormat(ToolFormat):
             return text, []
         return None, [_call(name, args, self.call_id()) for name, args, _ in calls]
 
-    def forced_prefix(self, name):
-        return '{"name": "' + (f'{name}", "parameters": ' if name else "")
-
     def first_call_end(self, text):
         calls, _ = self._objects(text)
         return calls[0][2] if calls else None
@@ -188,6 +205,10 @@ class MistralFormat(ToolFormat):
     marks = ("[TOOL_CALLS]",)
     special = ("[TOOL_CALLS]",)
     MARK = "[TOOL_CALLS]"
+    head = "[TOOL_CALLS] ["
+    separator = ", "
+    tail = "]"
+    trigger = "[TOOL_CALLS]"
     _ALNUM = string.ascii_letters + string.digits
 
     def call_id(self) -> str:  # Mistral's template refuses any other id shape
@@ -220,9 +241,6 @@ class MistralFormat(ToolFormat):
                 return text, []
             calls.append(_call(*call, self.call_id()))
         return text[:at].strip() or None, calls
-
-    def forced_prefix(self, name):
-        return '[TOOL_CALLS] [{"name": "' + (f'{name}", "arguments": ' if name else "")
 
     def first_call_end(self, text):
         found = self._array(text)

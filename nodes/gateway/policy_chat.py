@@ -40,6 +40,7 @@ import numpy as np
 from aiohttp import web
 
 from areal_bus.config.node_configs import GatewayConfig
+from nodes.gateway import structured
 from nodes.gateway.backend import Backend, SamplingParams
 from nodes.gateway.chat import ChatError, ChatRenderer, canonical
 from nodes.gateway.feed import ReplyFeed
@@ -122,6 +123,8 @@ class PolicyChat:
         self.backend = backend
         self.renderer = renderer
         self.shaper = Shaper(renderer, cfg.tool_parser, cfg.reasoning_parser)
+        tok = renderer.tok  # its special tokens, which no grammar can match (structured.compose)
+        self.special = frozenset(tok.convert_ids_to_tokens(list(getattr(tok, "all_special_ids", ()))))
         self.store = store
         self.jobs = jobs  # per session, its turns in flight (ending a session waits for them: lifecycle)
         self.pending = pending
@@ -134,7 +137,7 @@ class PolicyChat:
                        request: web.Request | None = None):
         """Serve a policy request: (response dict, choices). With ``live`` the reply is streamed to
         ``request`` while it is generated, and finished here ((None, []) if it ended in an error)."""
-        turn = self._turn(req, who)
+        turn = self._turn(req, who, await self._grammar(req))
         self.pending.admit(turn.n)
         run = self._launch(turn, live)
         if live is not None:
@@ -158,8 +161,9 @@ class PolicyChat:
 
     # -- the steps of complete, in order -----------------------------------------------------------
 
-    def _turn(self, req: ChatRequest, who) -> Turn:
-        """The request as a turn: its prompt (a 400 past the context) and sampling parameters."""
+    def _turn(self, req: ChatRequest, who, grammar: str = "") -> Turn:
+        """The request as a turn: its prompt (a 400 past the context) and sampling parameters (``grammar``:
+        what its replies must follow, from ``_grammar``)."""
         session = who if isinstance(who, Session) else None
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         offered = req.tools and req.tool_choice != "none"  # tool_choice "none": no tools offered, none parsed
@@ -174,8 +178,19 @@ class PolicyChat:
         params = SamplingParams(max_tokens=min(wanted, room), temperature=temperature,
                                 top_p=1.0 if req.top_p is None else float(req.top_p),
                                 stop_token_ids=tuple(self.renderer.stop_token_ids(req.stops)),
-                                ticket=session.ticket if session is not None else 0)
+                                ticket=session.ticket if session is not None else 0,
+                                grammar=grammar,
+                                top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+                                seed=req.seed, top_k=max(req.top_k or 0, 0))
         return Turn(req, session, history, tools_key, shaping, base, env_ids, prompt, params, req.n or 1)
+
+    async def _grammar(self, req: ChatRequest) -> str:
+        """The grammar the request's replies follow (structured.grammar; "" for none), or a 400 naming the
+        field whose schema xgrammar cannot build, or that asks for what this model's format cannot follow."""
+        try:
+            return await structured.grammar(req.wanted, self.shaper.formats, self.special)
+        except structured.SchemaError as err:
+            raise OpenAIError(400, str(err), param=err.param, code="invalid_schema") from None
 
     def _prompt(self, session: Session | None, messages: list[dict], tools: list[dict] | None, history: list,
                 tools_key: str, forced: tuple[int, ...] = ()):
@@ -252,9 +267,11 @@ class PolicyChat:
             if out.stop is not None:  # as vLLM names it: which stop string ended the choice
                 choice["stop_reason"] = out.stop
             if req.logprobs:
-                ids, lps = out.completion.output_ids, out.completion.logprobs
+                c = out.completion
+                ids = c.output_ids
                 keep = ids.size - (1 if ids.size and int(ids[-1]) == self.renderer.eos_id else 0)
-                choice["logprobs"] = token_logprobs(self.renderer.tok, ids[:keep], lps[:keep])
+                choice["logprobs"] = token_logprobs(self.renderer.tok, ids[:keep], c.logprobs[:keep],
+                                                    c.top_ids[:keep], c.top_logprobs[:keep])
             choices.append(choice)
         completion_tokens = sum(int(o.completion.output_ids.size) for o in outs)
         return completion_response(rid, req.model, choices, prompt_tokens, completion_tokens)
@@ -303,8 +320,8 @@ class PolicyChat:
             except Exception as exc:
                 comps, failed = [], exc
         else:
-            results = await asyncio.gather(*(self.backend.generate(sid, prompt, params, **kw(i)) for i in range(n)),
-                                           return_exceptions=True)
+            results = await asyncio.gather(*(self.backend.generate(sid, prompt, params.for_choice(i), **kw(i))
+                                             for i in range(n)), return_exceptions=True)
             comps = [r for r in results if not isinstance(r, BaseException)]
             failed = next((r for r in results if isinstance(r, BaseException)), None)
         return [self.shaper.postprocess(c, turn.shaping) for c in comps], failed

@@ -10,16 +10,18 @@ Responses call is served, recorded, admitted and checked exactly as a chat compl
   ``reasoning`` items ride on the next assistant message as ``reasoning_content``. ``instructions`` is a
   system message first. What the conversation held before (``previous_response_id``) goes in between:
   the caller passes it as ``history``.
-- ``tools`` (function tools only), ``tool_choice``, ``parallel_tool_calls``, ``temperature``, ``top_p``,
-  ``max_output_tokens``, ``text.format`` (-> ``response_format``), ``top_logprobs`` and ``include:
-  ["message.output_text.logprobs"]`` (-> ``logprobs``) go to the chat request, whose checks apply (a
-  field the chat path refuses is refused here with the chat path's message).
+- ``tools`` (function tools only, ``strict`` as the chat tool's), ``tool_choice``,
+  ``parallel_tool_calls``, ``temperature``, ``top_p``, ``max_output_tokens``, ``text.format`` (->
+  ``response_format``), ``top_logprobs`` and ``include: ["message.output_text.logprobs"]`` (->
+  ``logprobs``) go to the chat request, whose checks apply (a field the chat path refuses is refused
+  here with the chat path's message, the field named as this request names it: ``responses_param``).
+  So ``text.format`` json_schema and a ``strict`` tool's arguments are enforced by a grammar
+  (nodes/gateway/structured.py), as on the chat path.
 - A field the gateway cannot honour is a 400 naming it (``background``, ``conversation``, ``prompt``,
   ``truncation: "auto"``, ``reasoning.effort``, non-function tools, an ``include`` it cannot fill, ...),
-  and so is a field it does not know. ``strict`` on a function tool is accepted, not enforced: there is
-  no guided decoding on these engines, the arguments are the model's (the Agents SDK validates them).
-  ``store: false`` keeps nothing for ``previous_response_id``; ``metadata``, ``user``,
-  ``safety_identifier`` and ``prompt_cache_key`` are echoed back and do nothing else.
+  and so is a field it does not know. ``store: false`` keeps nothing for ``previous_response_id``;
+  ``metadata``, ``user``, ``safety_identifier`` and ``prompt_cache_key`` are echoed back and do nothing
+  else.
 
 The reply: ``response_object`` builds the Response (output items: reasoning, the message with its
 output_text, one ``function_call`` per tool call; ``status`` "incomplete" with reason
@@ -32,6 +34,7 @@ response.function_call_arguments.delta / done, response.output_item.done, respon
 from __future__ import annotations
 
 import json
+import re
 import time
 
 from nodes.gateway.openai_api import OpenAIError
@@ -158,7 +161,9 @@ def _tools(body: dict) -> list[dict] | None:
             fn["description"] = tool["description"]
         if tool.get("parameters") is not None:
             fn["parameters"] = tool["parameters"]
-        out.append({"type": "function", "function": fn})  # strict: accepted, not enforced (module doc)
+        if tool.get("strict") is not None:
+            fn["strict"] = tool["strict"]
+        out.append({"type": "function", "function": fn})
     return out or None
 
 
@@ -264,16 +269,36 @@ def to_chat_request(body, history: list[dict] | None = None) -> tuple[dict, list
 
 _PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens", "messages": "input"}
 
+_NESTED = (("response_format.json_schema.", "text.format."), ("response_format.", "text.format."))
+"""Chat parameter paths whose Responses name differs below the top (tools[i].function.x: tools[i].x)."""
+
 
 def responses_param(param: str | None) -> str | None:
-    """A chat request's parameter as the Responses request names it (response_format -> text.format)."""
+    """A chat request's parameter as the Responses request names it (response_format -> text.format,
+    response_format.json_schema.schema.x -> text.format.schema.x, tools[0].function.parameters ->
+    tools[0].parameters)."""
     if not param:
         return param
+    for chat, responses in _NESTED:
+        if param.startswith(chat):
+            return responses + param[len(chat):]
+    if param.startswith("tools[") and "].function." in param:
+        return param.replace("].function.", "].", 1)
     head, sep, tail = param.partition(".")
     root = head.split("[", 1)[0]
     if root in _PARAMS:
         return "input" if root == "messages" else _PARAMS[root] + head[len(root):] + sep + tail
     return param
+
+
+def responses_message(message: str) -> str:
+    """A chat-path error message with the nested parameter paths it quotes named as in ``responses_param``."""
+    for chat, responses in _NESTED:
+        message = message.replace(f"'{chat}", f"'{responses}")
+    return _TOOL_PATH.sub(r"'tools[\1].", message)
+
+
+_TOOL_PATH = re.compile(r"'tools\[(\d+)\]\.function\.")
 
 
 # -- the reply ------------------------------------------------------------------------------------

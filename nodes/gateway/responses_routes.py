@@ -172,17 +172,16 @@ class ResponsesRoutes:
         try:
             req = parse_chat_request(chat)
         except OpenAIError as err:  # the chat path's refusal, named as the Responses request names the field
-            named = responses_api.responses_param(err.param)
-            if named != err.param and err.param:
-                err.message = err.message.replace(f"'{err.param}'", f"'{named}'")
-            err.param = named
-            raise
+            raise _renamed(err) from None
         stream = bool(body.get("stream"))
         done = functools.partial(self._keep, body, owner, parent, new)  # the reply's conversation, kept
 
         if req.model == self.cfg.policy_model:
             live = ResponsesLive(body, done) if stream else None
-            resp, _ = await self.chat.complete(req, who, t0, live, request)
+            try:
+                resp, _ = await self.chat.complete(req, who, t0, live, request)
+            except OpenAIError as err:  # refused before anything was sent (a field this model cannot honour)
+                raise _renamed(err) from None
             if live is not None:
                 if live.failed is not None:  # answered on the stream (response.failed): counted here
                     count_refusal(self.metrics, self.log, request, live.failed.status, live.failed.code)
@@ -210,3 +209,13 @@ class ResponsesRoutes:
                               f"not be stored ({type(exc).__name__}: {exc}), so previous_response_id cannot "
                               "continue it; retry sending the whole input.", type="server_error",
                               code="store_failed") from None
+
+
+def _renamed(err: OpenAIError) -> OpenAIError:
+    """A chat-path error with the field named as the Responses request names it (responses_param)."""
+    named = responses_api.responses_param(err.param)
+    if named != err.param and err.param:
+        err.message = err.message.replace(f"'{err.param}'", f"'{named}'")
+    err.message = responses_api.responses_message(err.message)
+    err.param = named
+    return err

@@ -14,9 +14,10 @@ in a session), with no log-probability and no loss, because the policy did not c
 them as sampled would credit the policy with a choice the gateway made, and their behaviour
 log-probabilities would not be what was sampled under. The session's next turn continues from prompt
 + sampled ids, so the model's context holds the forced opening exactly as it saw it. The reply the
-client gets is parsed from the forced text + the sampled text. The opening guarantees the format
-starts, not that the model completes it: a call that does not parse comes back as content (finish
-"stop"), as with any garbled call, so the reward can see it.
+client gets is parsed from the forced text + the sampled text. The rest of the call is sampled under a
+grammar (nodes/gateway/structured.py: one of the tools' names, arguments valid for its schema, the
+family's call end), so it completes unless max_tokens cuts it; a call that does not parse (cut, or from a
+backend that applies no grammar) comes back as content, as with any garbled call, so the reward can see it.
 
 parallel_tool_calls false (Anthropic disable_parallel_tool_use): a reply holding more than one call is
 cut after the token that completes the first, like a stop string: the record ends there (the turn is
@@ -55,6 +56,13 @@ class Shaping:
     think: parsers.ThinkFormat | None
     forced: tuple[int, ...] = ()  # a forced call's opening, given at the end of the prompt
     single_call: bool = False  # parallel_tool_calls false
+
+
+def cut_completion(comp, keep: int):
+    """A completion cut after its first ``keep`` tokens (where a stop string or the first call ends)."""
+    return dataclasses.replace(comp, output_ids=comp.output_ids[:keep], logprobs=comp.logprobs[:keep],
+                               versions=comp.versions[:keep], top_ids=comp.top_ids[:keep],
+                               top_logprobs=comp.top_logprobs[:keep], finish_reason="stop")
 
 
 class Shaper:
@@ -98,8 +106,7 @@ class Shaper:
             if cut is not None:
                 keep, text, stopped, matched = cut, r.decode([*forced, *ids[:cut]]), False, None
         if keep < ids.size:
-            comp = dataclasses.replace(comp, output_ids=ids[:keep], logprobs=comp.logprobs[:keep],
-                                       versions=comp.versions[:keep], finish_reason="stop")
+            comp = cut_completion(comp, keep)
         reasoning, content = shaping.think.split(text) if shaping.think is not None else (None, text)
         content, calls = shaping.tools.parse(content) if shaping.tools is not None else (content, [])
         message = {"role": "assistant", "content": content}

@@ -23,7 +23,7 @@ import numpy as np
 import structlog
 
 from areal_bus.wire import messages as m
-from areal_bus.engines.base import RolloutEngine, TokenStreams
+from areal_bus.engines.base import RolloutEngine, TokenStreams, partial_completion
 from areal_bus.engines.rollout_factory import WeightsUnavailable
 from areal_bus.runtime.metrics import Metrics
 from areal_bus.version import NONE, PolicyVersion
@@ -255,7 +255,7 @@ class RolloutCore:
     def partials(self) -> list[tuple[int, m.PartialCompletion]]:
         """New tokens of streamed gateway requests that are due: (gateway index, PartialCompletion).
         Tell ``reported`` whether each was delivered; one not delivered is due again next step."""
-        return [(j, m.PartialCompletion(request_id=rid, start=start, output_ids=ids))
+        return [(j, partial_completion(self.engine, rid, start, ids))
                 for rid, j, start, ids in (self.streams.due(self.peek) if self.streams else ())]
 
     def reported(self, part: m.PartialCompletion, delivered: bool) -> None:

@@ -18,6 +18,8 @@ with it). A trainer started by a new supervisord over an unfinished run refuses 
 (``recovery.UnfinishedRun``) unless it resumes (``--resume``, or ``AREAL_BUS_RESUME=1`` in its
 environment: what ``areal-bus run --resume`` sets). Every accepted, trained and
 dropped id goes to ``logs/ledger/trainer-0.jsonl`` (areal_bus/runtime/ledger.py), which bench/chaos.py audits.
+Every update's record goes to ``logs/train_steps.jsonl``, and to TensorBoard and W&B when
+``logging.trackers`` lists them (areal_bus/runtime/trackers.py).
 
 After max_steps updates (and the checkpoint due then) the trainer publishes the finished run state
 and exits 0; supervisord's run-end listener then stops the whole system.
@@ -36,6 +38,7 @@ from areal_bus.engines.train_engine import build_train_engine
 from areal_bus.runtime.node import NodeShell
 from areal_bus.runtime.outcome import RESUME_ENV, outcome_path, write_outcome
 from areal_bus.runtime.spool import Spool
+from areal_bus.runtime.trackers import TrackerError, Trackers
 from areal_bus.trajectory_check import reason_code
 from nodes.trainer.core import QUARANTINE_CODES, TrainerCore
 from nodes.trainer.queue import TrainQueue
@@ -60,12 +63,13 @@ def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
         raise
     if start.finished:
         return _finished_already(shell, start, spool)
+    trackers = _start_trackers(shell, start)
     engine = build_train_engine(topo, base, checkpoint=start.folder)
     # Lineages sort by start time: a restarted trainer's weights are newer even at a lower version.
     lineage = f"{time.time_ns():020d}-{shell.incarnation}"
     core = TrainerCore(topo, start, spool, shell.incarnation, lineage, shell.metrics, now=time.monotonic())
     shell.policy = core.policy
-    io = TrainerIO(shell, engine, core)
+    io = TrainerIO(shell, engine, core, trackers)
     try:
         shell.announce_start(engine=topo.trainer_engine.kind, mode="async" if topo.is_async else "sync",
                              trigger=core.queue.trigger, batch=core.queue.max_batch, staleness=core.queue.staleness,
@@ -90,6 +94,21 @@ def run(topo, replica: int = 0, base=None, resume: bool = False) -> int:
     finally:
         io.close()
     return 0
+
+
+def _start_trackers(shell: NodeShell, start: Start) -> Trackers:
+    """logging.trackers (TensorBoard, W&B), before the model loads: one that cannot start stops the
+    trainer at once, with the reason. A trainer restarted within its run trains again from its
+    checkpoint's version (at version 0, from the start weights' evaluation): purged from there."""
+    purge = (start.version + 1 if start.version else 0) if start.recovering else None
+    try:
+        trackers = Trackers.start(shell.topo, start.epoch, shell.log_dir, shell.log, purge_step=purge)
+    except TrackerError as err:  # logged, then raised: the run-end listener quotes it as the run's end
+        shell.log.error("tracker_failed", reason=str(err))
+        raise
+    if trackers.active:
+        shell.log.info("trackers", run=start.epoch, **{t.name: t.where for t in trackers.active})
+    return trackers
 
 
 def _record_outcome(core: TrainerCore) -> None:

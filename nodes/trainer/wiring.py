@@ -23,6 +23,7 @@ from areal_bus.constants import POLL_MS
 from areal_bus.engines.train_engine import TrainEngine, WeightsBusy
 from areal_bus.runtime.ledger import Ledger, ledger_path
 from areal_bus.runtime.node import NodeShell
+from areal_bus.runtime.trackers import Trackers
 from nodes.trainer.core import Job, Out, TrainerCore
 from nodes.trainer.recovery import write_run_state
 
@@ -44,8 +45,9 @@ class TrainFailed(Exception):
 
 
 class TrainerIO:
-    def __init__(self, shell: NodeShell, engine: TrainEngine, core: TrainerCore):
+    def __init__(self, shell: NodeShell, engine: TrainEngine, core: TrainerCore, trackers: Trackers | None = None):
         self.shell, self.engine, self.core = shell, engine, core
+        self.trackers = trackers or Trackers([], shell.log)  # logging.trackers: each record also goes there
         # What the core checks token ids against: the engine it drives knows the model's vocabulary.
         core.vocab_size = getattr(engine, "vocab_size", None)
         topo = shell.topo
@@ -78,7 +80,9 @@ class TrainerIO:
         for level, name, fields in out.logs:
             getattr(self.shell.log, level)(name, **fields)
         for line in out.steps:  # "run": the run epoch, so `areal-bus plot` never splices two runs
-            self.steps.write(json.dumps({"t_end": time.time(), "run": self.core.epoch, **line}) + "\n")
+            record = {"t_end": time.time(), "run": self.core.epoch, **line}
+            self.steps.write(json.dumps(record) + "\n")
+            self.trackers.log_record(record)  # one that fails is logged and dropped: it never raises
         if out.job is not None:
             self.job = self.pool.submit(self._work, out.job), out.job
 
@@ -188,4 +192,5 @@ class TrainerIO:
             spool.close()
         self.ledger.close()
         self.steps.close()
+        self.trackers.close()
         self.shell.close()

@@ -53,7 +53,7 @@ fi
 
 if [ "${1:-}" != "--vllm" ]; then
     # shellcheck disable=SC2046
-    download .whl $(pinned "${BUS[@]}")
+    download .whl $(pinned "${BUS[@]}" xgrammar apache-tvm-ffi)  # xgrammar: the torch engine's grammars
     # shellcheck disable=SC2046
     download .whl/gw $(pinned aiohttp uvloop multidict yarl propcache frozenlist aiosignal aiohappyeyeballs attrs msgpack pyyaml ml_dtypes)
     ls .whl .whl/gw
