@@ -43,10 +43,13 @@ def test_the_default_topology_with_lora_runs_to_its_end_serving_adapters(tmp_pat
     assert [r["step"] for r in records if "eval_reward" in r] == [-1, 4, 9]
     logs = tmp_path / "lora-test"
     # The rollout workers served the trained versions (each an adapter swapped in from shared memory; a
-    # version the workers could not load would have crashed them or been logged unavailable).
+    # version the workers could not load would have crashed them or been logged unavailable). The last one
+    # (10, exported as the trainer finishes) may be announced after the trainer exited and took its buffers
+    # with it: a worker that had not swapped yet logs it unavailable, as with full weights; any earlier is a bug.
     rollout = (logs / "rollout.log").read_text()
     served = {int(v) for v in re.findall(r"^\[rollout\] step=\d+ .*version=(\d+) ", rollout, re.M)}
-    assert max(served) >= 5 and "weights_unavailable" not in rollout, sorted(served)
+    unavailable = {int(v) for v in re.findall(r"^\[rollout\] weights_unavailable version=(\d+) ", rollout, re.M)}
+    assert max(served) >= 5 and unavailable <= {10}, (sorted(served), sorted(unavailable))
     assert not [p.name for p in (logs / "supervisor").glob("*.log") if "Traceback" in p.read_text()]
     ckpt = logs / "checkpoints" / "step_10"
     assert not (ckpt / "model.safetensors").exists() and (ckpt / "adapter_model.safetensors").exists()
