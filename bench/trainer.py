@@ -90,7 +90,7 @@ import torch  # noqa: E402
 
 from areal_bus.train.loss import decoupled_ppo_loss  # noqa: E402
 from areal_bus.model.modeling import QWEN2_0_5B, TINY_QWEN2, make_random_model, token_logprobs  # noqa: E402
-from areal_bus.model.modeling import save_pretrained  # noqa: E402
+from areal_bus.model.modeling import CausalLM, ModelConfig, save_pretrained  # noqa: E402
 from areal_bus.train.fa4_ops import fa4_replay_stats  # noqa: E402
 from areal_bus.train.train_model import VARLEN, VARLEN_FA4, train_flops  # noqa: E402
 from areal_bus.train.packing import mini_batches as split  # noqa: E402
@@ -193,12 +193,13 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
     mp, *flags = variant.split("+")
     number = lambda prefix: {f: float(f[len(prefix):]) for f in flags
                              if f.startswith(prefix) and f[len(prefix):].replace(".", "", 1).isdigit()}
-    pad_flags, keep_flags = number("pad"), number("keep")
+    pad_flags, keep_flags, lora_flags = number("pad"), number("keep"), number("lora")
     pads, keeps = [int(n) for n in pad_flags.values()], list(keep_flags.values())
     known = {"compile", "loglinear", "nokeep", "chunk8k", "fa4", "fa4whole", *INDUCTOR_FLAGS, "noguard", "gcfreeze"}
     whole_pads = all(n.is_integer() for n in pad_flags.values())
-    if set(flags) - known - set(pad_flags) - set(keep_flags) or len(pads) > 1 or len(keeps) > 1 or not whole_pads:
-        raise SystemExit(f"--paths: unknown flag in {variant!r} ({', '.join(sorted(known))}, padN, keepN)")
+    if set(flags) - known - set(pad_flags) - set(keep_flags) - set(lora_flags) or len(pads) > 1 or len(keeps) > 1 \
+            or not whole_pads:
+        raise SystemExit(f"--paths: unknown flag in {variant!r} ({', '.join(sorted(known))}, padN, keepN, loraN)")
     keep = 0 if "nokeep" in flags else (keeps[0] if keeps else None)
     if "fa4whole" in flags:
         from areal_bus.train import fa4_ops
@@ -406,6 +407,8 @@ def worker(args, device) -> int:
     # one thread per core, slows every host-side op of the update (the profile in bench/RESULTS.md).
     torch.set_num_threads(args.threads)
     updates = make_updates(args, cfg["vocab_size"])
+    lora = [int(f[4:]) for f in args.worker.split("+")[1:] if f.startswith("lora") and f[4:].isdigit()]
+    args.lora = lora[0] if lora else args.lora  # +loraN: this path's rank (0: full fine-tuning)
     try:
         r = measure(args.worker, cfg, updates, args, device)
     except torch.OutOfMemoryError as exc:
@@ -424,6 +427,27 @@ def worker(args, device) -> int:
               + f", garbage collections {r['gc']}", file=sys.stderr)
     print("WORKER " + json.dumps(r), flush=True)
     return 0
+
+
+BIG = ("7b", "8b")  # shapes whose random folder is written in bfloat16 (float32 would be 30+ GB on disk)
+
+
+def random_folder(cfg: dict, path: str, device, dtype: str) -> None:
+    """Seeded random weights in the Hugging Face layout at ``path``. Float32 ones come from
+    ``make_random_model`` on the CPU (as every table before 2026-12-06); bfloat16 ones (the 7B/8B shapes) are
+    drawn on the GPU, where a CPU draw of 8 billion numbers would cost minutes of the lent machine."""
+    if dtype == "float32" or device.type != "cuda":
+        save_pretrained(make_random_model(cfg, seed=0, dtype=dtype), path)
+        return
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.device(device):
+        model = CausalLM(ModelConfig.from_hf(cfg)).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02, generator=gen)
+    save_pretrained(model, path)
+    del model
+    torch.cuda.empty_cache()
 
 
 def run_path(name: str, shape: str, model_dir: str, argv: list[str]) -> dict:
@@ -460,6 +484,7 @@ def main() -> int:
     ap.add_argument("--attn", default=VARLEN, help=f"engine: trainer_engine.attn_implementation ({VARLEN}: "
                     f"FlashAttention varlen, areal_bus/train/train_model.py; or sdpa, flex_attention)")
     ap.add_argument("--checkpointing", action="store_true", help="engine: trainer_engine.gradient_checkpointing")
+    ap.add_argument("--weights-dtype", default=None, help="dtype of the random folder (float32; bfloat16 for 7b/8b)")
     ap.add_argument("--lora", type=int, default=0, metavar="RANK", help="engine: trainer_engine.lora of this rank, "
                     "alpha 2 x RANK, all seven projections (0: full fine-tuning)")
     ap.add_argument("--profile", action="store_true", help="print each path's torch profile of its first timed update")
@@ -502,7 +527,7 @@ def main() -> int:
         cfg = SHAPES[shape]
         base = None
         with tempfile.TemporaryDirectory(prefix="bench-trainer-") as work:
-            save_pretrained(make_random_model(cfg, seed=0), work)  # random float32 weights in the HF layout
+            random_folder(cfg, work, device, args.weights_dtype or ("bfloat16" if shape in BIG else "float32"))
             for name in paths:
                 r = run_path(name, shape, work, argv)
                 key = f"{shape}_{name.replace(':', '_').replace('+', '_')}"

@@ -14,7 +14,14 @@ rounding of a different summation order), tokens/s over the updates after --warm
 layout's ratio to dp=1 (ideal: its GPU count for dp, less for tp, which trades compute for an
 all-reduce per attention and MLP block).
 
+``--shape`` takes bench/trainer.py's table (bench/shapes.py: 0.5b, 1.5b, 3b, 7b, 8b, qwen3-8b); ``--longtail``
+draws the seed's row lengths (lognormal, median 500, sigma 0.8, clipped 200..--seq) where the default is
+uniform in [seq/2, seq]; ``--lora RANK`` trains LoRA adapters (trainer_engine.lora, alpha 2 x RANK; dp only).
+MFU per GPU: the update's FLOPs (areal_bus/train/train_model.train_flops: 6 N per token, the proximal
+forward, causal attention; full fine-tuning's count) over seconds x ranks x 989 TFLOP/s (H100/H200 bf16).
+
 Run:  python3 bench/trainer_parallel.py                           (2+ GPUs, NCCL; ~2 min)
+      python3 bench/trainer_parallel.py --shape 1.5b --longtail --seq 3000 --batch 128 --layouts 1x1,2x1,4x1,8x1
       python3 bench/trainer_parallel.py --layouts 1x1,2x1,1x2,4x1,2x2 --steps 8
       .venv/bin/python bench/trainer_parallel.py --device cpu --tiny   (gloo, tiny shape: checks the script)
 
@@ -53,6 +60,10 @@ from areal_bus.engines.torch_dp import backend_for  # noqa: E402
 from areal_bus.engines.torch_parallel import ParallelTrainEngine, RankGroup  # noqa: E402
 from areal_bus.engines.torch_train import TorchTrainEngine  # noqa: E402
 from areal_bus.model.modeling import QWEN2_0_5B, TINY_QWEN2, make_random_model, save_pretrained  # noqa: E402
+from areal_bus.train.train_model import train_flops  # noqa: E402
+
+PEAK_BF16 = 989e12
+"""H100/H200 dense bf16 datasheet FLOP/s, as bench/trainer.py's MFU."""
 
 RANK_TIMEOUT_S = 600  # a layout whose ranks have not finished by then has hung in a collective
 
@@ -61,12 +72,14 @@ def bench_topology(args, dp: int, tp: int) -> SimpleNamespace:
     """The topology fields the trainer engines read, with the schema's defaults (areal_bus/config/topology.py;
     pydantic is not on the GPU host, so not the schema itself)."""
     return SimpleNamespace(
+        is_async=False, staleness_threshold=2, staleness=SimpleNamespace(per_token=False, drop_at_consume=True),
         trainer_engine=SimpleNamespace(kl_coef=0.0, ppo_epochs=1, eps_clip=0.2, eps_clip_high=None,
                                        behav_imp_weight_cap=5.0, grad_clip=1.0, adv_std_normalize=True,
                                        adv_leave_one_out=False, attn_implementation="areal_varlen",
                                        micro_batch_tokens=16384, logit_chunk_tokens=4096,
                                        micro_batch_pad_tokens=None, prox_logp_method="recompute",
-                                       gradient_checkpointing=False,
+                                       logit_grad_keep_gib=None, loss_token_norm=None, lora=_lora(args),
+                                       gradient_checkpointing=getattr(args, "checkpointing", False),
                                        mixed_precision=getattr(args, "mixed_precision", "compute_copy"),
                                        compile=getattr(args, "compile", False)),
         model=SimpleNamespace(device=args.device, dtype=args.dtype, seed=0, threads=1),
@@ -75,10 +88,21 @@ def bench_topology(args, dp: int, tp: int) -> SimpleNamespace:
         parallelism=SimpleNamespace(dp=dp, tp=tp, reshard_after_forward=not args.keep_gathered))
 
 
-def make_batch(step: int, rows: int, seq: int, vocab: int) -> dict[str, torch.Tensor]:
+def _lora(args):
+    if not getattr(args, "lora", 0):
+        return None
+    from areal_bus.config.engines import LoraConfig  # lazy: pydantic only for --lora (the GPU host carries it)
+
+    return LoraConfig(rank=args.lora, alpha=2 * args.lora)
+
+
+def make_batch(step: int, rows: int, seq: int, vocab: int, longtail: bool = False) -> dict[str, torch.Tensor]:
     """The padded batch of update ``step`` (pad_batch's layout), the same on every rank and layout."""
     g = torch.Generator().manual_seed(1000 + step)
-    lengths = torch.randint(seq // 2, seq + 1, (rows,), generator=g)
+    if longtail:  # the seed's lengths (bench/trainer.py): lognormal, median 500, sigma 0.8, 200..seq
+        lengths = (torch.randn(rows, generator=g) * 0.8 + math.log(500)).exp().clamp(min(200, seq), seq).long()
+    else:
+        lengths = torch.randint(seq // 2, seq + 1, (rows,), generator=g)
     pos = torch.arange(seq)[None, :]
     attn = (pos < lengths[:, None]).long()
     mask = ((pos >= seq // 8) & (attn == 1)).float()
@@ -94,10 +118,10 @@ def rank_main(rank: int, dp: int, tp: int, args, model_path: str, init: str, que
     topo = bench_topology(args, dp, tp)
     world = dp * tp
     if world == 1:
-        engine = TorchTrainEngine(topo, model_path)
+        engine = TorchTrainEngine(topo, model_path, base_model=model_path if args.lora else None)
     else:
         group = RankGroup(rank, world, init, backend_for(args.device))
-        engine = ParallelTrainEngine(topo, model_path, group=group)
+        engine = ParallelTrainEngine(topo, model_path, group=group, base_model=model_path if args.lora else None)
     dev = engine.device
     vocab = engine.model.config.vocab_size
     out = []
@@ -109,15 +133,16 @@ def rank_main(rank: int, dp: int, tp: int, args, model_path: str, init: str, que
         prof = profile(activities=acts, schedule=schedule(wait=args.warmup, warmup=0, active=args.steps - args.warmup))
         prof.start()
     for step in range(args.steps):
-        data = make_batch(step, args.batch, args.seq, vocab)
+        data = make_batch(step, args.batch, args.seq, vocab, args.longtail)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
         stats = engine.update(data)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+        lens = data["attn"].sum(1)
         out.append({"loss": stats["loss"], "grad_norm": stats["grad_norm"], "s": time.perf_counter() - t0,
-                    "tokens": int(data["attn"].sum())})
+                    "tokens": int(lens.sum()), "sq": int((lens ** 2).sum())})
         if prof is not None:
             prof.step()
     if prof is not None:
@@ -161,6 +186,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", help="cuda (one GPU per rank, NCCL) or cpu (gloo)")
     p.add_argument("--tiny", action="store_true", help="the tiny test shape instead of Qwen2-0.5B")
+    p.add_argument("--shape", default="0.5b", help="a shape of bench/trainer.py's table (bench/shapes.py)")
+    p.add_argument("--longtail", action="store_true", help="row lengths lognormal (median 500, sigma 0.8, "
+                   "200..--seq) instead of uniform in [seq/2, seq]")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK", help="trainer_engine.lora of this rank (dp only)")
+    p.add_argument("--checkpointing", action="store_true", help="trainer_engine.gradient_checkpointing (8B-class)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--layouts", default="1x1,2x1,1x2", help="DPxTP,...; the first is the baseline")
     p.add_argument("--steps", type=int, default=None, help="updates per layout (default 6; --tiny 4)")
@@ -190,24 +220,45 @@ def main(argv=None) -> int:
         hardware = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     else:
         hardware = f"cpu ({os.cpu_count()} cores)"
-    shape = TINY_QWEN2 if args.tiny else QWEN2_0_5B
-    print(f"# trainer parallelism: {'tiny' if args.tiny else 'Qwen2-0.5B'} shape, {args.dtype}, {hardware}, "
-          f"torch {torch.__version__}, {datetime.date.today()}")
+    if args.tiny or args.shape == "0.5b":
+        shape = TINY_QWEN2 if args.tiny else QWEN2_0_5B
+    else:
+        from bench.shapes import shapes  # lazy: the table's module loads bench/trainer.py (pydantic)
+
+        shape = shapes()[args.shape]
+    label = "tiny" if args.tiny else args.shape
+    print(f"# trainer parallelism: {label} shape, {args.dtype}, {hardware}, "
+          f"torch {torch.__version__}, {datetime.date.today()}" + (f", LoRA r{args.lora}" if args.lora else ""))
     print(f"# {args.steps} updates of {args.batch} rows x <= {args.seq} tokens, mini-batch {args.mini_batch}, "
           f"tokens/s over updates {args.warmup + 1}..{args.steps}")
     with tempfile.TemporaryDirectory(prefix="trainer_parallel-") as work:
         model_path = str(Path(work) / "model")
-        save_pretrained(make_random_model(shape, seed=0, dtype=args.dtype), model_path)
+        if args.device.startswith("cuda") and not args.tiny and args.shape != "0.5b":
+            from bench.shapes import random_model  # lazy: as above; draws the weights on the GPU (8B in seconds)
+
+            model = random_model(shape, "cuda", args.dtype).cpu()
+            torch.cuda.empty_cache()
+        else:
+            model = make_random_model(shape, seed=0, dtype=args.dtype)
+        save_pretrained(model, model_path)
+        n_params = sum(p.numel() for p in model.parameters())  # a tied embedding once
+        del model
         results = {}
         for dp, tp in layouts:
             r = run_layout(dp, tp, args, model_path)
             timed = r["steps"][args.warmup:]
             r["tokens_per_s"] = sum(s["tokens"] for s in timed) / sum(s["s"] for s in timed)
+            flops = sum(train_flops(n_params, shape["num_hidden_layers"], shape["hidden_size"], s["tokens"], s["sq"])
+                        for s in timed)
+            r["mfu"] = flops / sum(s["s"] for s in timed) / (PEAK_BF16 * dp * tp)
             results[(dp, tp)] = r
     base = results[layouts[0]]
+    # scaling efficiency: tokens/s per GPU against the baseline's per GPU (1.0 = linear)
+    per_gpu = lambda r, key: r["tokens_per_s"] / (key[0] * key[1])
+    scaling = lambda r, key: per_gpu(r, key) / per_gpu(base, layouts[0])
     name = {(dp, tp): f"dp{dp}" if tp == 1 else (f"tp{tp}" if dp == 1 else f"dp{dp}tp{tp}") for dp, tp in layouts}
     print(f"{'layout':<8} {'ranks':>5} {'loss per update':<{9 * args.steps}} {'max|dloss|':>10} "
-          f"{'tokens/s':>10} {'vs ' + name[layouts[0]]:>8} {'GiB':>6}")
+          f"{'tokens/s':>10} {'vs ' + name[layouts[0]]:>8} {'per GPU':>7} {'MFU':>6} {'GiB':>6}")
     worst = 0.0
     for key in layouts:
         r = results[key]
@@ -216,9 +267,11 @@ def main(argv=None) -> int:
         worst = max(worst, diff)
         print(f"{name[key]:<8} {key[0] * key[1]:>5} {' '.join(f'{x:8.5f}' for x in losses):<{9 * args.steps}} "
               f"{diff:>10.2e} {r['tokens_per_s']:>10.0f} {r['tokens_per_s'] / base['tokens_per_s']:>7.2f}x "
-              f"{r['max_mem_gib']:>6.1f}")
+              f"{scaling(r, key):>7.2f} {r['mfu']:>6.1%} {r['max_mem_gib']:>6.1f}")
     fields = [f"{name[k]}_tokens_per_s={results[k]['tokens_per_s']:.0f}" for k in layouts]
     fields += [f"{name[k]}_scaling={results[k]['tokens_per_s'] / base['tokens_per_s']:.2f}" for k in layouts[1:]]
+    fields += [f"{name[k]}_efficiency={scaling(results[k], k):.2f}" for k in layouts[1:]]
+    fields += [f"{name[k]}_mfu={results[k]['mfu']:.3f}" for k in layouts]
     print("RESULT " + " ".join(fields) + f" max_loss_diff={worst:.2e} device={args.device} dtype={args.dtype}")
     return 0
 

@@ -20,6 +20,14 @@ areal_bus/engines/rollout_factory.py), checks the sender's sha256 before committ
 and frees a buffer when the version after it is committed. A relay that restarts (or missed chunks)
 is sent the current version again (RELAY_RESEND_S); it exits 0 when the trainer says the run finished.
 
+With ``endpoints.far_weights`` group (``auto`` with the trainer on a GPU), versions go to the relays
+over a torch.distributed weight group instead (areal_bus/weights/dist_group.py, NCCL between GPUs, gloo
+on CPU): the broadcaster (rank 0) and every live relay form a generation, broadcast each version in
+buckets, and form a new generation whenever the set of live relays changes (a relay dead by the bus's
+liveness, a new incarnation, a host back). Which generation, and which version's buckets come next, are
+control messages on the same CURVE channel as the chunks; the relay commits a version (and acks it) only
+once every bucket landed and, on CPU, its sha256 matches the one sent after the last bucket.
+
 Run: areal-bus node weights --topology topology/default.yaml [--replica i]   (i >= 1: a relay)
 """
 
@@ -37,6 +45,7 @@ from areal_bus.constants import HEARTBEAT_INTERVAL_S, POLL_MS
 from areal_bus.runtime.node import NodeShell
 from areal_bus.version import NONE, PolicyVersion
 from areal_bus.engines.rollout_factory import relay_weight_set
+from areal_bus.weights.group_link import GroupReceiver, GroupSender, group_backend
 
 RELAY_RESEND_S = 10.0
 """A live relay that has not acked the current version this long after it was sent gets it again (it
@@ -142,6 +151,8 @@ def run(topo, replica: int = 0, base=None) -> int:
     book = VersionBook()
     relays = {f"weights-{i}": RelayLink(shell, host, i)
               for i, host in enumerate(placement.far_rollout_hosts(topo), start=1)}
+    backend = group_backend(topo)
+    sender = GroupSender(shell, relays, backend, RELAY_RESEND_S, base) if backend is not None else None
     announced = None  # the VersionAnnounce last made public (book.current waits for the relays)
     shell.announce_start()
     shell.start_heartbeat()
@@ -166,9 +177,11 @@ def run(topo, replica: int = 0, base=None) -> int:
                     last_announce = 0.0
             now = time.monotonic()
             cur = book.current
+            if sender is not None:
+                sender.step(cur, now)
             if cur is not None and relays and cur.location:
                 live = {p.node_id for p in shell.peers.alive("weights")}
-                for link in relays.values():
+                for link in relays.values() if sender is None else ():
                     if link.node_id in live and link.holds != PolicyVersion.of(cur) and (
                             link.sending != PolicyVersion.of(cur) or now - link.sent_at > RELAY_RESEND_S):
                         link.start(cur, now)
@@ -196,7 +209,7 @@ def run(topo, replica: int = 0, base=None) -> int:
                 shell.metrics.gauge("commit_latency_s", lag)
                 shell.log.info("committed", version=v, serving=f"{len(workers)}/{len(workers)}",
                                latency_ms=round(lag * 1000, 1))
-            poller.poll(POLL_MS)
+            poller.poll(1 if sender is not None and sender.transfer is not None else POLL_MS)  # buckets in flight: pump often
     finally:
         shell.close()
     return 0
@@ -216,19 +229,39 @@ def run_relay(topo, replica: int, base=None) -> int:
     name = relay_weight_set(topo, base)
     assembler, lineage = ChunkAssembler(name), None
     holds, t_first = NONE, None
-    shell.announce_start(host=host, weight_set=name)
+    receiver = GroupReceiver(shell, name, host) if group_backend(topo) is not None else None
+    shell.announce_start(host=host, weight_set=name, group=receiver is not None)
     shell.start_heartbeat()
     last_ack = 0.0
     finished = False
     try:
         while not shell.stopping.is_set() and not finished:
             for _, msg in shell.drain_hub():
-                if isinstance(msg, m.VersionCommitted) and msg.lineage == holds.lineage and assembler.writer:
-                    assembler.writer.mark_released(msg.version - 1)  # every worker serves msg.version
+                writer = receiver.writer if receiver is not None else assembler.writer
+                if isinstance(msg, m.VersionCommitted) and msg.lineage == holds.lineage and writer:
+                    writer.mark_released(msg.version - 1)  # every worker serves msg.version
                 elif isinstance(msg, m.RunState) and msg.finished:
                     finished = True
             while pull.poll(0):
-                head, payload = pull.recv_multipart(copy=False)
+                frames = pull.recv_multipart(copy=False)
+                if len(frames) == 1 or receiver is not None:  # a control message of the weight group
+                    try:
+                        if receiver is None or len(frames) != 1:
+                            raise ValueError(f"{len(frames)} frame(s): this relay takes "
+                                             f"{'group control messages' if receiver else 'chunks'} only")
+                        doc = msgpack.unpackb(frames[0].bytes)
+                        if not isinstance(doc, dict):
+                            raise ValueError("a control message is a map")
+                        receiver.control(doc, holds)
+                    except (ValueError, TypeError, msgpack.UnpackException, WeightShmError) as exc:
+                        # Tolerated: counted and dropped; the broadcaster repeats what matters.
+                        shell.metrics.inc("relay_control_refused")
+                        shell.log.warning("control_refused", error=str(exc)[:300])
+                    continue
+                if len(frames) != 2:
+                    shell.metrics.inc("relay_chunks_refused")
+                    continue
+                head, payload = frames
                 try:
                     header = msgpack.unpackb(head.bytes)
                     if not isinstance(header, dict):
@@ -252,13 +285,20 @@ def run_relay(topo, replica: int, base=None) -> int:
                     shell.log.info("received", version=holds.version, location=location, sha256=assembler.digest,
                                    nbytes=int(header["total"]), ms=round(took * 1000, 1))
                     last_ack = 0.0
+            got = receiver.step() if receiver is not None else None
+            if got is not None:
+                holds = shell.policy = got[0]
+                shell.metrics.inc("versions_received")
+                last_ack = 0.0
             now = time.monotonic()
             if holds != NONE and now - last_ack >= HEARTBEAT_INTERVAL_S:  # repeated: heals a lost ack
                 shell.publish(m.TOPIC_VERSION_ACK, m.VersionAck(node_id=shell.node_id, version=holds.version,
                                                                 lineage=holds.lineage))
                 last_ack = now
-            pull.poll(POLL_MS)
+            pull.poll(1 if receiver is not None and receiver.busy() else POLL_MS)  # buckets in flight: pump often
     finally:
+        if receiver is not None:
+            receiver.close()
         assembler.close()
         shell.close()
     return 0

@@ -202,4 +202,4 @@ def test_flash_varlen_decode_wants_a_half_precision_model_on_a_gpu(write):
     assert "decode_attention and decode_compile" in _error(write(sim)) and "'sim'" in _error(write(sim))
     assert load_topology(write("rollout_engine: {kind: torch, decode_compile: true}\ntrainer_engine: {kind: torch}\n"
                                "agent: {framework: guess}\nmodel: {device: cuda}\n")).rollout_engine.decode_compile
-    assert "'sdpa', 'matmul' or 'flash_varlen'" in _error(write("rollout_engine: {kind: torch, decode_attention: flash}\n"))
+    assert "'sdpa', 'matmul', 'flash_varlen' or 'flash_paged'" in _error(write("rollout_engine: {kind: torch, decode_attention: flash}\n"))

@@ -324,7 +324,7 @@ def _real_topology(folder: Path, key_rel: str) -> dict:
         "rollout_engine": {"kind": "torch", "max_batch": 32, "max_len": 256},
         "trainer_engine": {"kind": "torch", "eval_interval": RUN_STEPS, "eval_episodes": 32},
         "endpoints": {"transport": "tcp", "host": HOST_A, "base_port": BASE_PORT + 1000,
-                      "curve": {"key": key_rel}},
+                      "curve": {"key": key_rel}, "far_weights": "group"},
         "nodes": {"bus": {}, "agent": {"replicas": 1}, "reward": {"replicas": 1}, "weights": {},
                   "trainer": {"hosts": [HOST_A, HOST_B]}, "rollout": {"hosts": [HOST_A, HOST_B]}},
     }
@@ -457,6 +457,12 @@ def test_trainer_ranks_and_weights_span_two_hosts_and_a_killed_host_rejoins(host
         assert len({x["version"] for x in got}) >= 3, show()
         for x in got:
             assert x["sha256"] in sent.get(x["version"], ()), (x, sent)
+        # They went over the weight group (endpoints.far_weights: group, gloo here): a generation formed
+        # at the start, was lost when host B died, and a new one formed when it came back.
+        formed = {int(x["gen"]) for x in _lines(a / "logs" / "weights.log", "group_formed")}
+        lost = _lines(a / "logs" / "weights.log", "group_lost")
+        assert len(formed) >= 2 and lost, show()
+        assert {int(x["gen"]) for x in _lines(b / "logs" / "weights.log", "received")} & formed, show()
         # ...and tagged its tokens with those versions.
         tagged = {int(v) for v in re.findall(r"\[rollout\] step=\S+ .*?version=(\d+)",
                                              (b / "logs" / "rollout.log").read_text())}

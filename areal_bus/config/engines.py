@@ -60,13 +60,28 @@ class SimRolloutEngineConfig(RolloutEngineBase):
 
 class TorchRolloutEngineConfig(RolloutEngineBase):
     kind: Literal["torch"] = Field("torch", description=_ROLLOUT_KIND)
-    decode_attention: Literal["auto", "sdpa", "matmul", "flash_varlen"] = Field(
+    decode_attention: Literal["auto", "sdpa", "matmul", "flash_varlen", "flash_paged"] = Field(
         "auto", description="On CUDA, the decode step's attention: 'flash_varlen' reads each row's own cache "
         "length (FlashAttention-2 varlen; bfloat16/float16), 'sdpa' every row up to the longest's bucket, "
-        "'matmul' two batched matmuls (a reference). 'auto': flash_varlen where it runs, else sdpa.")
+        "'matmul' two batched matmuls (a reference); with kv_tokens, 'flash_paged' (FlashAttention's paged "
+        "kernel) in place of flash_varlen. 'auto': the flash kind where it runs, else sdpa.")
     decode_compile: bool | None = Field(None, description="On CUDA, fuse the decode step's elementwise work "
                                         "(norms, rotary, SiLU) with torch.compile. None: on where it runs, "
                                         "else off with a warning.")
+    kv_tokens: int | None = Field(None, ge=16, le=1_000_000_000, description="Tokens the KV cache holds for all "
+                                  "running sequences together, in pages each takes as it grows and frees when it "
+                                  "ends: the running batch is bounded by tokens, and a request waits (never fails) "
+                                  "until its pages are free. At least max_len. None: a dense max_batch x max_len "
+                                  "cache.")
+    kv_page_tokens: int = Field(256, ge=1, le=65536, description="Tokens per page of the kv_tokens cache. The CUDA "
+                                "decode step's FlashAttention paged kernel needs a multiple of 256 ('auto' falls "
+                                "back to sdpa otherwise); smaller pages waste less of each sequence's last page.")
+
+    @model_validator(mode="after")
+    def _kv_pool(self):
+        if self.kv_tokens is not None and self.kv_tokens < self.max_len:
+            raise ValueError(f"kv_tokens ({self.kv_tokens}) must hold one sequence of max_len ({self.max_len}) tokens")
+        return self
 
 
 class VllmRolloutEngineConfig(RolloutEngineBase):

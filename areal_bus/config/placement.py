@@ -12,6 +12,11 @@ over several). ZeroMQ binds addresses, not names, so the address is the name.
   RENDEZVOUS_PORT_OFFSET). Each other host runs one launcher program, ``trainer-<node rank>``
   (``python -m areal_bus.engines.torch_dp``), which starts that host's ranks.
 - Rollout replica r runs on ``nodes.rollout.hosts[r % n]``.
+- GPUs (``nodes.rollout.gpus``: one index per replica; ``nodes.trainer.gpus``: one per rank) are indices
+  on the host each process runs on. The render sets every such program's CUDA_VISIBLE_DEVICES
+  (``visible_gpus``): a rollout worker's own GPU first; a trainer program's the GPUs of its host's ranks
+  in local rank order, so rank LOCAL_RANK takes cuda:LOCAL_RANK (torch_parallel.rank_device). Without
+  ``gpus`` nothing is set: ``model.device`` / ``model.trainer_device`` place them, as before.
 - A host that runs rollout and is not the trainer's (rank 0's) host shares no memory with it: it runs a
   weight relay, ``weights-<i>`` (i >= 1, the i-th such host), which receives every version over the
   bus's chunked CURVE transfer (areal_bus/weights/transfer.py) into that host's shared memory.
@@ -29,6 +34,9 @@ RENDEZVOUS_PORT_OFFSET = 700
 offsets 0-699, the weight relays RELAY_PORT_OFFSET)."""
 RELAY_PORT_OFFSET = 800
 """Each far host's weight relay binds its chunk channel at base_port + 800 on its own address."""
+WEIGHT_GROUP_PORT_OFFSET = 810
+"""The weight group's store (areal_bus/weights/dist_group.py), served by the broadcaster at base_port + 810
+on its host; the relays of far hosts connect to it (``endpoints.far_weights``)."""
 SPREAD_KINDS = ("trainer", "rollout")
 HOST_ADDR_ENV = "AREAL_BUS_HOST_ADDR"
 """This host's address, on the trainer's programs: gloo and NCCL are told the interface that holds it
@@ -139,6 +147,68 @@ def rank_env(topo, node_rank: int) -> dict[str, str]:
             HOST_ADDR_ENV: trainer_hosts(topo)[node_rank]}
 
 
+def gpus_of(topo, kind: str, replica: int) -> list[int] | None:
+    """The GPUs, by index on its host, the topology gives rollout replica ``replica`` or trainer
+    program ``replica`` (node rank n: the ranks n*k .. n*k+k-1 of its host, in local rank order), or
+    None where it gives none (``nodes.<kind>.gpus`` absent: today's ``model.device`` placement)."""
+    spec = topo.nodes.get(kind)
+    gpus = getattr(spec, "gpus", None) if spec is not None else None
+    if not gpus:
+        return None
+    if kind == "trainer":
+        k = ranks_per_host(topo)
+        return list(gpus[replica * k:(replica + 1) * k])
+    entry = gpus[replica]
+    return list(entry) if isinstance(entry, list) else [entry]
+
+
+def visible_gpus(topo, kind: str, replica: int) -> list[int] | None:
+    """CUDA_VISIBLE_DEVICES of program ``<kind>-<replica>``: its own GPUs, so ``cuda`` (cuda:0) is its
+    first; None leaves the variable as the host has it. Only its own: a rollout worker opens the
+    trainer's CUDA IPC weight buffers on its own GPU as peer memory (areal_bus/weights/cuda.py), and
+    cudaIpcOpenMemHandle opens handles of GPUs the process does not see."""
+    return gpus_of(topo, kind, replica)
+
+
+def _check_gpus(topo) -> None:
+    """``nodes.rollout.gpus`` / ``nodes.trainer.gpus``: one entry per process, on a GPU device, no GPU
+    given twice to one kind on one host (a rollout worker and a trainer rank may share one)."""
+    rollout, trainer = topo.nodes.get("rollout"), topo.nodes.get("trainer")
+    kinds = []
+    if rollout is not None and rollout.gpus:
+        kinds.append(("rollout", rollout.gpus, "rollout_workers", topo.rollout_workers, "model.device",
+                      topo.model.device, lambda r: host_of(topo, "rollout", r), "rollout worker"))
+    if trainer is not None and trainer.gpus:
+        device_field = "model.trainer_device" if topo.model.trainer_device else "model.device"
+        kinds.append(("trainer", trainer.gpus, "train_workers", topo.train_workers, device_field,
+                      topo.trainer_device, lambda r: trainer_hosts(topo)[r // ranks_per_host(topo)], "trainer rank"))
+    for kind, gpus, count_field, count, device_field, device, host, who in kinds:
+        field = f"nodes.{kind}.gpus"
+        if len(gpus) != count:
+            raise ValueError(f"{field}: {len(gpus)} entries for {count_field} {count}; give one GPU index per "
+                             f"{who}")
+        if not device.startswith("cuda"):
+            raise ValueError(f"{field} places each {who} on a GPU but {device_field} is {device!r}: set "
+                             f"{device_field}: cuda, or leave {field} out")
+        if device not in ("cuda", "cuda:0"):
+            raise ValueError(f"{device_field} {device!r} with {field}: each {who} sees its own GPUs from cuda:0 "
+                             f"on (the render sets CUDA_VISIBLE_DEVICES), so write {device_field}: cuda")
+        seen: dict[tuple[str, int], int] = {}
+        for r, entry in enumerate(gpus):
+            indices = entry if isinstance(entry, list) else [entry]
+            if len(indices) > 1:
+                raise ValueError(f"{field}[{r}]: {indices} spans {len(indices)} GPUs, but a {who} runs its engine "
+                                 f"on one (no rollout engine splits a model over several yet); give one index per "
+                                 f"{who}")
+            for g in indices:
+                if (host(r), g) in seen:
+                    where = f" of host {host(r)}" if len(hosts(topo)) > 1 else ""
+                    raise ValueError(f"{field}: GPU {g}{where} is given to {who}s {seen[host(r), g]} and {r}; "
+                                     f"give each {who} a GPU of its own (a rollout worker and a trainer rank may "
+                                     f"share one)")
+                seen[host(r), g] = r
+
+
 def check(topo) -> None:
     """Raise ValueError naming the field when the placement cannot run."""
     for kind, spec in topo.nodes.items():
@@ -159,6 +229,7 @@ def check(topo) -> None:
         if kind == "trainer" and topo.parallelism.tp > 1 and ranks_per_host(topo) % topo.parallelism.tp:
             raise ValueError(f"{field}: a tensor-parallel group (tp={topo.parallelism.tp}) must stay on one "
                              f"host; {ranks_per_host(topo)} ranks per host")
+    _check_gpus(topo)
     if len(hosts(topo)) > 1 and topo.endpoints.transport != "tcp":
         raise ValueError(f"nodes on several hosts ({', '.join(hosts(topo))}) need endpoints.transport: tcp "
                          f"(ipc reaches only this host)")
@@ -168,11 +239,10 @@ def check(topo) -> None:
             raise ValueError(f"nodes.weights.host ({host_of(topo, 'weights')}) must be the trainer's host "
                              f"({host_of(topo, 'trainer')}): the broadcaster reads each version from the "
                              f"trainer's shared memory to send it to {', '.join(far)}")
-        if topo.trainer_device.startswith("cuda"):
-            raise ValueError(f"rollout on {', '.join(far)} with the trainer on a GPU: weights to GPU hosts "
-                             f"without the trainer's CUDA IPC are not supported yet (an NCCL broadcast group "
-                             f"is not written); run those workers on the trainer's host, or the trainer on cpu")
+        if topo.trainer_device.startswith("cuda") and topo.endpoints.far_weights == "chunks":
+            raise ValueError(f"endpoints.far_weights: chunks reads the trainer's shared memory, and a trainer on "
+                             f"a GPU publishes over CUDA IPC; rollout on {', '.join(far)} needs 'group' (or 'auto')")
 
 
 __all__ = ["host_of", "hosts", "programs_on", "far_rollout_hosts", "rank_env", "rendezvous",
-           "relay_endpoint", "relay_host", "relay_replica", "check"]
+           "relay_endpoint", "relay_host", "relay_replica", "gpus_of", "visible_gpus", "check"]

@@ -179,6 +179,15 @@ class ModelSpec(Strict):
     seed: int = Field(0, description="Seed for sampling and initialisation.")
     threads: int = Field(1, ge=1, le=256, description="torch CPU threads per node process (one each avoids "
                          "oversubscription where several nodes share the cores).")
+    share_base: bool | None = Field(None, description="With trainer_engine.lora, rollout engines on the trainer's "
+                                    "device serve the trainer's frozen base (CUDA IPC on a GPU, shared memory on "
+                                    "CPU) instead of a copy of their own. None: on where it can be, on a GPU only.")
+    gpu_memory_fraction: float = Field(0.92, gt=0.05, le=1.0, description="Share of each GPU's memory the memory "
+                                       "plan (`areal-bus plan`) may fill with the trainer and the rollout engines "
+                                       "placed on it; checked at node start, refused with the numbers if over.")
+    gpu_memory_gib: float | None = Field(None, gt=0, le=100_000, description="The GPU's memory in GiB, for "
+                                         "`areal-bus validate` / `plan` to check the plan without a GPU. None: "
+                                         "checked at node start only, against the card.")
 
 
 class CurveConfig(Strict):
@@ -197,6 +206,10 @@ class Endpoints(Strict):
                                       "(required for tcp beyond loopback, unless allow_insecure).")
     allow_insecure: bool = Field(False, description="tcp beyond loopback without CURVE: anyone who reaches the "
                                  "ports can inject trajectories or weights. Only for a network you trust entirely.")
+    far_weights: Literal["auto", "group", "chunks"] = Field("auto", description="How versions reach a rollout host "
+        "without the trainer's memory: 'group' broadcasts them in buckets over a torch.distributed group (NCCL on "
+        "GPUs, gloo on CPU), 'chunks' sends them over the CURVE chunk channel; 'auto' is group with the trainer "
+        "on a GPU, else chunks.")
 
 
 # -- nodes -----------------------------------------------------------------------------------------
@@ -217,8 +230,32 @@ class NodeSpec(_NodePlacement, _Replicas):  # bases in this order: replicas come
     pass
 
 
+MAX_GPU_INDEX = 1023
+"""The largest GPU index ``nodes.<kind>.gpus`` takes (a bound, not a host's count: render checks no GPU)."""
+
+
+def _gpu_indices(field: str, gpus: list) -> list:
+    for i, entry in enumerate(gpus):
+        for g in entry if isinstance(entry, list) else [entry]:
+            if not 0 <= g <= MAX_GPU_INDEX:
+                raise ValueError(f"{field}[{i}]: GPU index {g} is out of 0..{MAX_GPU_INDEX}")
+        if isinstance(entry, list) and not entry:
+            raise ValueError(f"{field}[{i}]: an empty list; give the worker's GPU index (or indices)")
+    return gpus
+
+
 class RolloutSpec(_NodePlacement):
     """``nodes.rollout``: where the rollout workers run; how many is ``rollout_workers``, in one place."""
+
+    gpus: list[int | list[int]] | None = Field(
+        None, min_length=1, max_length=1024, description="The GPU of each rollout worker (one index per "
+        "rollout_workers, on the host it runs on; a list, for a worker over several GPUs, waits for an engine "
+        "that splits a model): its CUDA_VISIBLE_DEVICES, so model.device is 'cuda'. None: model.device places them.")
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpu_bounds(cls, gpus):
+        return gpus if gpus is None else _gpu_indices("nodes.rollout.gpus", gpus)
 
     @model_validator(mode="before")
     @classmethod
@@ -227,6 +264,20 @@ class RolloutSpec(_NodePlacement):
             raise ValueError(f"nodes.rollout.replicas: the rollout workers are counted by the top-level "
                              f"rollout_workers; write rollout_workers: {data['replicas']} instead")
         return data
+
+
+class TrainerSpec(NodeSpec):
+    """``nodes.trainer``: where the trainer's ranks run; how many is ``train_workers``."""
+
+    gpus: list[int] | None = Field(
+        None, min_length=1, max_length=1024, description="The GPU of each trainer rank (one index per "
+        "train_workers, on the host the rank runs on): CUDA_VISIBLE_DEVICES of each host's ranks, so "
+        "model.trainer_device is 'cuda'. None: rank r on the trainer device's GPU index + r.")
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpu_bounds(cls, gpus):
+        return gpus if gpus is None else _gpu_indices("nodes.trainer.gpus", gpus)
 
 
 class GatewaySpec(NodeSpec):
@@ -254,7 +305,7 @@ class Nodes(Strict):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout workers (rollout_engine.*; "
                                  "their count is rollout_workers).")
     reward: RewardSpec = Field(default_factory=RewardSpec, description="Scores trajectories.")
-    trainer: NodeSpec = Field(default_factory=NodeSpec, description="The trainer (trainer_engine.*; its ranks "
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="The trainer (trainer_engine.*; its ranks "
                               "are train_workers).")
     weights: NodeSpec = Field(default_factory=NodeSpec, description="The weight broadcaster.")
     probe: ProbeSpec = Field(default_factory=ProbeSpec, description="The throughput probe and its Prometheus "

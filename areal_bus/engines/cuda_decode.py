@@ -14,6 +14,10 @@ once in a CUDA graph and replayed with a single launch:
 - Rows that are not decoding this step (free slots, bucket padding, sequences being prefilled) still
   run: their position is ``max_len - 1``, where they write a key and a value that nothing ever reads.
   A sequence ends once it holds ``max_len`` tokens, so the last position it feeds is ``max_len - 2``.
+- With a paged cache (rollout_engine.kv_tokens, ``kv_pages``) rows are still slots, and the slots' block
+  tables are a static input too: a row writes its key and value into its page, and reads its pages
+  gathered ("sdpa", "matmul") or in place through FlashAttention's paged kernel ("flash_paged"). A row
+  not decoding feeds position 0 of the null page instead.
 - Keys past a row's own position are masked (an additive mask on SDPA); the query heads that share a
   kv head are grouped as that head's queries (``[B, KV, H / KV, D]``), so GQA needs no copy of keys.
 - The q/k/v and the gate/up projections run as one matmul each over concatenated weights. Those are
@@ -62,7 +66,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from areal_bus.model import adapters
+from areal_bus.engines import kv_pages
+from areal_bus.engines.kv_pages import PagedKVCache
+from areal_bus.model import adapters, shared_base
 from areal_bus.model.modeling import CausalLM, KVCache, RMSNorm, apply_rope, rms_norm, rope_cos_sin
 
 # The smallest length bucket: below it attention costs nothing next to the weights, and fewer
@@ -191,18 +197,34 @@ ATTENTION = {"sdpa": (_mask, _attend_sdpa), "matmul": (_mask, _attend_matmul),
              "flash_varlen": (_varlen_inputs, _attend_flash_varlen)}
 
 
-def decode_choices(attention: str, fuse: bool | None, cuda: bool, half: bool) -> list[tuple[str, bool]]:
-    """(attention, fuse) pairs to try in turn: what was asked, with "auto" attention as flash_varlen where
-    the cache is bfloat16/float16 on CUDA (else sdpa) and None fusion as on on CUDA; then, for what was
-    chosen automatically only, sdpa and unfused as fallbacks. A choice asked for explicitly has none."""
-    attn = ("flash_varlen" if cuda and half else "sdpa") if attention == "auto" else attention
+def _paged_inputs(dec: StaticDecoder, pos: torch.Tensor, length: int):
+    """flash_paged's per-step inputs: the keys each row reads (its position + 1; 1 for a row not decoding,
+    whose position is 0 and whose block table is the null page's) and the varlen offsets (static views)."""
+    b = pos.shape[0]
+    return (pos + 1).to(torch.int32), dec.cu_queries[:b + 1], dec.cu_keys[:b + 1]
+
+
+# With a paged cache (kv_pages): the masked kinds read the rows' pages gathered (kv_pages.gather), flash_paged
+# reads the pool in place (kv_pages.attend_flash, which StaticDecoder._attention calls).
+PAGED_ATTENTION = {"sdpa": (_mask, _attend_sdpa), "matmul": (_mask, _attend_matmul),
+                   "flash_paged": (_paged_inputs, None)}
+
+
+def decode_choices(attention: str, fuse: bool | None, cuda: bool, half: bool,
+                   paged: bool = False) -> list[tuple[str, bool]]:
+    """(attention, fuse) pairs to try in turn: what was asked, with "auto" attention as flash_varlen
+    (flash_paged with a paged cache) where the cache is bfloat16/float16 on CUDA (else sdpa) and None
+    fusion as on on CUDA; then, for what was chosen automatically only, sdpa and unfused as fallbacks. A
+    choice asked for explicitly has none."""
+    flash = "flash_paged" if paged else "flash_varlen"
+    attn = (flash if cuda and half else "sdpa") if attention == "auto" else attention
     fz = cuda if fuse is None else fuse
     attns = [attn, "sdpa"] if attention == "auto" else [attn]
     fuses = [fz, False] if fuse is None else [fz]
     return list(dict.fromkeys((a, f) for f in fuses for a in attns))
 
 
-def static_decoder(model: CausalLM, cache: KVCache, graphs: bool = False, attention: str = "auto",
+def static_decoder(model: CausalLM, cache: KVCache | PagedKVCache, graphs: bool = False, attention: str = "auto",
                    fuse: bool | None = None, batch_buckets: list[int] | None = None,
                    len_buckets: list[int] | None = None, warn: Callable[[str], None] | None = None) -> StaticDecoder:
     """A ``StaticDecoder`` with ``attention`` "auto" and ``fuse`` None chosen here (rollout_engine's
@@ -212,7 +234,7 @@ def static_decoder(model: CausalLM, cache: KVCache, graphs: bool = False, attent
     build without FlashAttention's varlen kernel, no Triton, norms the fusion does not compute) falls
     back to the next, naming why through ``warn``; the last one's refusal is raised."""
     tries = decode_choices(attention, fuse, cache.k.device.type == "cuda",
-                           cache.k.dtype in (torch.bfloat16, torch.float16))
+                           cache.k.dtype in (torch.bfloat16, torch.float16), isinstance(cache, PagedKVCache))
     for i, (attn, fz) in enumerate(tries):
         try:
             return StaticDecoder(model, cache, graphs=graphs, attention=attn, fuse=fz,
@@ -236,21 +258,30 @@ class StaticDecoder:
     against the masked call once, here, before any decode).
     ``fuse``: the elementwise work between the matmuls as torch.compile's fused kernels (the module
     docstring).
+    With a paged cache (``kv_pages.PagedKVCache``) rows are still slots, and each slot's block table is a
+    static input too: "sdpa" and "matmul" read the rows' pages gathered, "flash_paged" FlashAttention's
+    paged kernel over the pool (its only length bucket is the table's span: it reads each row's own length).
     ``batch_buckets`` / ``len_buckets``: the padded shapes (default: 4 per doubling of the batch,
     2 per doubling of the length from ``MIN_LEN_BUCKET``).
     """
 
-    def __init__(self, model: CausalLM, cache: KVCache, graphs: bool = False, attention: str = "sdpa",
+    def __init__(self, model: CausalLM, cache: KVCache | PagedKVCache, graphs: bool = False, attention: str = "sdpa",
                  fuse: bool = False, batch_buckets: list[int] | None = None, len_buckets: list[int] | None = None):
         cfg = model.cfg
         self.model, self.cache, self.cfg = model, cache, cfg
         self.device, self.dtype = cache.k.device, cache.k.dtype
-        self.max_batch, self.max_len = cache.k.shape[1], cache.max_len
+        self.paged = isinstance(cache, PagedKVCache)
+        # paged: positions up to the block table's span; a row not decoding feeds position 0 of the null page
+        self.max_batch, self.max_len = ((cache.max_batch, cache.span) if self.paged
+                                        else (cache.k.shape[1], cache.max_len))
+        self.idle_pos = 0 if self.paged else self.max_len - 1
         if graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.graphs = graphs
-        if attention not in ATTENTION:
-            raise ValueError(f"attention {attention!r}: one of {', '.join(ATTENTION)}")
+        kinds = PAGED_ATTENTION if self.paged else ATTENTION
+        if attention not in kinds:
+            raise ValueError(f"attention {attention!r} with a {'paged' if self.paged else 'dense'} KV cache "
+                             f"(rollout_engine.kv_tokens): one of {', '.join(kinds)}")
         if attention == "flash_varlen" and self.device.type == "cuda" and self.dtype not in (torch.bfloat16,
                                                                                               torch.float16):
             raise ValueError(f"attention 'flash_varlen' runs FlashAttention in bfloat16 or float16, not {self.dtype}")
@@ -258,7 +289,11 @@ class StaticDecoder:
             raise ValueError("attention 'flash_varlen' addresses the cache with int32 offsets: max_batch x kv heads "
                              "x max_len must stay below 2^31")
         self.attention = attention
-        self.prepare, self.attend = ATTENTION[attention]
+        self.prepare, self.attend = kinds[attention]
+        if attention == "flash_paged":
+            self.kernel = kv_pages.paged_kernel()
+            kv_pages.check_flash(self.kernel, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim,
+                                 cache.page_size, self.device, self.dtype)
         self.fuse = fuse
         if fuse:
             layers = model.model.layers
@@ -276,6 +311,10 @@ class StaticDecoder:
                                    f"{type(exc).__name__}: {str(exc)[:300]}") from exc
         self.batch_buckets = sorted(batch_buckets or buckets(self.max_batch, 1, 4))
         self.len_buckets = sorted(len_buckets or buckets(self.max_len, min(MIN_LEN_BUCKET, self.max_len), 2))
+        if self.paged:  # whole pages (the gather reads pages); flash_paged needs no bucket but the span
+            size = cache.page_size
+            self.len_buckets = ([self.max_len] if attention == "flash_paged" else
+                                sorted({min(-(-n // size) * size, self.max_len) for n in self.len_buckets}))
         if self.batch_buckets[-1] != self.max_batch or self.len_buckets[-1] != self.max_len:
             raise ValueError("the largest buckets must be max_batch and max_len")
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -286,12 +325,20 @@ class StaticDecoder:
         self.io = torch.zeros(self.max_batch, 2, dtype=torch.long, device=dev)
         self._stage_t = torch.zeros(self.max_batch, 2, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._stage = self._stage_t.numpy()
+        if self.paged:  # the slots' block tables, staged the same way (a row not decoding: all null page)
+            self.table = torch.zeros(self.max_batch, cache.max_pages, dtype=torch.int32, device=dev)
+            self._table_stage_t = torch.zeros(self.max_batch, cache.max_pages, dtype=torch.int32,
+                                              pin_memory=dev.type == "cuda")
+            self._table_stage = self._table_stage_t.numpy()
         self._copied = torch.cuda.Event() if dev.type == "cuda" else None
         self.logits = torch.empty(self.max_batch, cfg.vocab_size, dtype=self.dtype, device=dev)
         self.key_pos = torch.arange(self.max_len, device=dev)
-        # flash_varlen's sequence offsets, for every batch bucket at once (_varlen_inputs takes views).
+        # flash_varlen's sequence offsets, for every batch bucket at once (_varlen_inputs takes views);
+        # flash_paged's: one sequence per row, its keys the row's block table's span.
         seqs = torch.arange(self.max_batch * self.kv_heads + 1, dtype=torch.int32, device=dev)
         self.cu_queries, self.cu_keys = seqs * (self.heads // self.kv_heads), seqs * self.max_len
+        if self.paged:
+            self.cu_queries = seqs[:self.max_batch + 1]
         # The same values rope_cos_sin gives the model's own forward (computed in float32, then cast).
         cos, sin = rope_cos_sin(self.key_pos[None], cfg, self.dtype)
         self.cos, self.sin = cos[0, 0], sin[0, 0]  # [max_len, head_dim]
@@ -302,10 +349,11 @@ class StaticDecoder:
             self.lora_qkv, self.lora_gate_up = [], []
             for layer in model.model.layers:
                 a, m = layer.self_attn, layer.mlp
-                self.w_qkv.append(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
-                self.b_qkv.append(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+                # fused_rows: a view, not a copy, where the parts are rows of one buffer (a shared base)
+                self.w_qkv.append(shared_base.fused_rows([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+                self.b_qkv.append(shared_base.fused_rows([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
                                   if a.q_proj.bias is not None else None)
-                self.w_gate_up.append(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+                self.w_gate_up.append(shared_base.fused_rows([m.gate_proj.weight, m.up_proj.weight]))
                 self.lora_qkv.append(adapters.fuse([a.q_proj, a.k_proj, a.v_proj]))
                 self.lora_gate_up.append(adapters.fuse([m.gate_proj, m.up_proj]))
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -349,10 +397,10 @@ class StaticDecoder:
         with torch.inference_mode():
             for i, layer in enumerate(self.model.model.layers):
                 a, m = layer.self_attn, layer.mlp
-                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], out=self.w_qkv[i])
+                shared_base.refill(self.w_qkv[i], [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
                 if self.b_qkv[i] is not None:
-                    torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], out=self.b_qkv[i])
-                torch.cat([m.gate_proj.weight, m.up_proj.weight], out=self.w_gate_up[i])
+                    shared_base.refill(self.b_qkv[i], [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+                shared_base.refill(self.w_gate_up[i], [m.gate_proj.weight, m.up_proj.weight])
                 adapters.refresh([a.q_proj, a.k_proj, a.v_proj], self.lora_qkv[i])
                 adapters.refresh([m.gate_proj, m.up_proj], self.lora_gate_up[i])
 
@@ -373,10 +421,15 @@ class StaticDecoder:
             self._copied.synchronize()  # the last step's copy has left the host buffer
         stage = self._stage[:b]
         stage[:, 0] = 0
-        stage[:, 1] = self.max_len - 1  # rows not decoding write where nothing reads
+        stage[:, 1] = self.idle_pos  # rows not decoding write where nothing reads
         stage[slots, 0] = ids
         stage[slots, 1] = positions
         self.io[:b].copy_(self._stage_t[:b], non_blocking=True)
+        if self.paged:
+            table = self._table_stage[:b]
+            table[:] = 0
+            table[slots] = self.cache.table[slots]
+            self.table[:b].copy_(self._table_stage_t[:b], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         if not self.graphs:
@@ -404,17 +457,49 @@ class StaticDecoder:
             self._pool = graph.pool()
         return graph
 
+    def _where(self, pos: torch.Tensor, length: int):
+        """Once per step: where each row's key and value go (dense: its position in its slot; paged: the flat
+        index of its page's slot in the pool) and what ``prepare`` makes for the attention."""
+        b = pos.shape[0]
+        if not self.paged:
+            write = pos.view(b, 1, 1, 1).expand(b, self.kv_heads, 1, self.head_dim)
+        else:
+            size = self.cache.page_size
+            write = self.table[:b].gather(1, (pos // size)[:, None])[:, 0].long() * size + pos % size
+        return write, self.prepare(self, pos, length)
+
+    def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, where):
+        """Layer ``i``: write the rows' key and value to the cache, attend; q [b, heads, d], k [b, kv, d],
+        v [b, kv x d]; returns [b, kv, heads / kv, d]."""
+        b, kv, d = k.shape
+        write, prepared = where
+        grouped = q.view(b, kv, self.heads // kv, d)
+        if not self.paged:
+            k_cache, v_cache = self.cache.k[i, :b], self.cache.v[i, :b]  # [b, kv, max_len, d], views
+            k_cache.scatter_(2, write, k[:, :, None])
+            v_cache.scatter_(2, write, v.reshape(b, kv, 1, d))
+            return self.attend(grouped, k_cache, v_cache, length, prepared)
+        k_pool, v_pool = self.cache.k[i], self.cache.v[i]
+        kv_pages.write(k_pool, write, k)
+        kv_pages.write(v_pool, write, v.view(b, kv, d))
+        if self.attention == "flash_paged":
+            used, cu_q, cu_k = prepared
+            out = kv_pages.attend_flash(q, k_pool, v_pool, self.table[:b], used, cu_q, cu_k, self.kernel)
+            return out.view(b, kv, self.heads // kv, d)
+        table = self.table[:b, :length // self.cache.page_size]
+        return self.attend(grouped, kv_pages.gather(k_pool, table, length), kv_pages.gather(v_pool, table, length),
+                           length, prepared)
+
     def _forward(self, b: int, length: int) -> None:
         """One decode step for rows 0..b-1 reading keys 0..length-1: logits into ``self.logits[:b]``."""
         if self.fuse:
             return self._forward_fused(b, length)
-        model, cache = self.model, self.cache
+        model = self.model
         h_, kv, d = self.heads, self.kv_heads, self.head_dim
         ids, pos = self.io[:b, 0], self.io[:b, 1]
         x = model.model.embed_tokens(ids)  # [b, hidden]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [b, 1, d]
-        prepared = self.prepare(self, pos, length)  # the mask, or flash_varlen's offsets and key counts
-        write_at = pos.view(b, 1, 1, 1).expand(b, kv, 1, d)
+        where = self._where(pos, length)  # where the step writes, and the mask or flash's offsets and key counts
         with self._sdpa_backends():
             for i, layer in enumerate(model.model.layers):
                 attn = layer.self_attn
@@ -425,10 +510,7 @@ class StaticDecoder:
                 if attn.qk_norm:  # Qwen3
                     q, k = attn.q_norm(q), attn.k_norm(k)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-                k_cache, v_cache = cache.k[i, :b], cache.v[i, :b]  # [b, kv, max_len, d], views
-                k_cache.scatter_(2, write_at, k[:, :, None])
-                v_cache.scatter_(2, write_at, v.reshape(b, kv, 1, d))
-                o = self.attend(q.view(b, kv, h_ // kv, d), k_cache, v_cache, length, prepared)
+                o = self._attention(i, q, k, v, length, where)
                 x = x + attn.o_proj(o.reshape(b, h_ * d))
                 h = layer.post_attention_layernorm(x)
                 gate, up = adapters.add(F.linear(h, self.w_gate_up[i]), h, self.lora_gate_up[i]).chunk(2, dim=-1)
@@ -438,15 +520,14 @@ class StaticDecoder:
     def _forward_fused(self, b: int, length: int) -> None:
         """``_forward`` with each residual add and the RMSNorm after it, the rotary embedding (with
         Qwen3's q/k norms) and SiLU x up as fused kernels: the same arithmetic, fewer kernels."""
-        model, cache = self.model, self.cache
+        model = self.model
         h_, kv, d = self.heads, self.kv_heads, self.head_dim
         add_norm, silu_mul = _fused(_add_norm), _fused(_silu_mul)
         rope = _fused(_norm_rope_qk if self.cfg.qk_norm else _rope_qk)
         ids, pos = self.io[:b, 0], self.io[:b, 1]
         x = model.model.embed_tokens(ids)  # [b, hidden]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [b, 1, d]
-        prepared = self.prepare(self, pos, length)
-        write_at = pos.view(b, 1, 1, 1).expand(b, kv, 1, d)
+        where = self._where(pos, length)
         delta = torch.zeros_like(x)  # what the previous layer adds to the stream (none before the first)
         with self._sdpa_backends():
             for i, layer in enumerate(model.model.layers):
@@ -459,10 +540,7 @@ class StaticDecoder:
                     q, k = rope(q, k, cos, sin, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
                 else:
                     q, k = rope(q, k, cos, sin)
-                k_cache, v_cache = cache.k[i, :b], cache.v[i, :b]
-                k_cache.scatter_(2, write_at, k[:, :, None])
-                v_cache.scatter_(2, write_at, v.reshape(b, kv, 1, d))
-                o = self.attend(q.view(b, kv, h_ // kv, d), k_cache, v_cache, length, prepared)
+                o = self._attention(i, q, k, v, length, where)
                 norm = layer.post_attention_layernorm
                 x, h = add_norm(x, attn.o_proj(o.reshape(b, h_ * d)), norm.weight, norm.eps)
                 delta = layer.mlp.down_proj(silu_mul(adapters.add(F.linear(h, self.w_gate_up[i]), h,

@@ -103,7 +103,10 @@ def _far_loader(topo, base, replica: int, log):
 def _torch_engine(topo, worker: str, replica: int, base, log=None) -> BuiltRolloutEngine:
     # lazy: the torch engine and its weight readers import torch, which a sim worker never loads
     from areal_bus.engines.torch_engine import TorchRolloutEngine
+    from areal_bus.model import shared_base
     from areal_bus.model.adapters import rollout_model
+    from areal_bus.model.memory import check_at_start
+    from areal_bus.model.modeling import ModelConfig, as_dtype, param_shapes
     from areal_bus.weights.shm import ShmWeightReader, WeightShmError
 
     cfg = topo.rollout_engine
@@ -134,21 +137,37 @@ def _torch_engine(topo, worker: str, replica: int, base, log=None) -> BuiltRollo
         handles = handles_path(topo.ipc_dir(base), topo.shm_name(base))
         stamp = handles.stat().st_mtime_ns
         if cuda_reader is None or cuda_reader[0] != stamp:  # a restarted trainer exports new buffers
-            cuda_reader = (stamp, CudaWeightReader(load_handles(handles)))
+            # On another GPU than the trainer's, each version is copied into this one (peer access): logged.
+            copied = None if log is None else (lambda **kw: log.info("weights_copied", **kw))
+            own = topo.model.device if topo.model.device.startswith("cuda") else None
+            cuda_reader = (stamp, CudaWeightReader(load_handles(handles), own, on_copy=copied))
         return cuda_reader[1].open(location)
 
     far = _far_loader(topo, base, replica, log)
     if far is not None:  # a host without shared memory with the trainer: its relay's weight set
         reader, load_weights = far
     fallback = None if log is None else (lambda msg: log.warning("decode_fallback", detail=msg))
-    # With trainer_engine.lora the base is model.path's and every version an adapter (model/adapters.py).
-    model = rollout_model(path, topo.trainer_engine.lora, topo.model.device, topo.model.dtype)
+    # The plan against this card before anything is allocated: a clear refusal, not an OOM mid-run.
+    check_at_start(topo, f"rollout-{replica}", topo.model.device, base, log)
+    # With trainer_engine.lora the base is model.path's and every version an adapter (model/adapters.py);
+    # with model.share_base it is the trainer's own copy, mapped (model/shared_base.py).
+    base_views = None
+    if far is None and shared_base.shares(topo, replica):
+        shapes = param_shapes(ModelConfig.from_hf(path))
+        base_views = shared_base.open_base(topo.shm_name(base), shared_base.identity(path, topo.model.dtype), shapes,
+                                           as_dtype(topo.model.dtype), topo.model.device, topo.ipc_dir(base), log=log)
+    model = rollout_model(path, topo.trainer_engine.lora, topo.model.device, topo.model.dtype, base=base_views)
     engine = TorchRolloutEngine(model, max_batch=cfg.max_batch, max_len=cfg.max_len, device=topo.model.device,
                                 dtype=topo.model.dtype, seed=topo.model.seed * 1000 + replica, worker=worker,
                                 weight_loader=load_weights, attention=cfg.decode_attention,
-                                fuse_decode=cfg.decode_compile, warn=fallback)
+                                fuse_decode=cfg.decode_compile, warn=fallback, kv_tokens=cfg.kv_tokens,
+                                kv_page_tokens=cfg.kv_page_tokens)
     if engine.fast is not None and log is not None:
         log.info("decode_step", attention=engine.fast.attention, compile=engine.fast.fuse, graphs=engine.fast.graphs)
+    if log is not None:
+        held, mapped = shared_base.held_bytes(engine.model, base_views, engine.fast)
+        log.info("weights_memory", held_bytes=held, mapped_bytes=mapped, kv_cache_bytes=getattr(getattr(engine, "cache", None), "nbytes", None),
+                 device=topo.model.device)
 
     def release_upto(version: int) -> None:
         # The engine copies weights into its own parameters at the swap: older buffers are free now.

@@ -1,11 +1,11 @@
-"""A real rollout engine in plain torch: static KV cache, continuous batching, version-tagged tokens.
+"""A real rollout engine in plain torch: static or paged KV cache, continuous batching, version-tagged tokens.
 
 ``TorchRolloutEngine`` implements ``RolloutEngine`` (see ``base``) over ``areal_bus.model.modeling``. It is
 small enough to read in one sitting and exact enough to test against a full forward pass: the
 reference for correctness that runs anywhere torch does (a vLLM engine is the one for throughput).
 
 One ``step()``:
-  1. admits pending requests into free cache slots;
+  1. admits pending requests into free cache slots (with a paged cache, those its pages can hold: below);
   2. feeds every running sequence the tokens whose keys/values are not cached yet: whole prompts for
      newcomers (batched prefill, right-padded, grouped by length under ``max_prefill_tokens``), one
      token for the rest (ONE batched decode forward, each row attending to its own slot up to its
@@ -13,6 +13,13 @@ One ``step()``:
   3. samples one token per sequence from those logits, tags it with its log-probability and the
      policy version in force, and returns the sequences that finished.
 So every running sequence gains exactly one token per step, prefill or decode alike.
+
+The KV cache: dense by default, ``max_batch x max_len`` tokens, a slot per sequence (``modeling.KVCache``);
+with ``kv_tokens`` a pool of pages the running sequences take as they grow and give back when they end
+(``kv_pages.PagedKVCache``), so the running batch is bounded by the tokens it holds. A request its pages
+cannot hold yet waits in the queue (never refused); a running sequence that needs a page when none is free
+preempts the youngest, which goes back to the queue with its tokens and is prefilled again later (the
+policy and why: ``kv_pages``'s docstring). ``preemptions`` counts them.
 
 Two decode paths, the same results: on CUDA the decode step runs ``cuda_decode.StaticDecoder`` (a
 fixed-shape step over the static cache, rows = slots, replayed as CUDA graphs); elsewhere it runs
@@ -58,6 +65,7 @@ import numpy as np
 import torch
 
 from areal_bus.engines.cuda_decode import static_decoder
+from areal_bus.engines.kv_pages import PagedKVCache
 from areal_bus.engines.sampling import sample, top_p_filter
 from areal_bus.wire.messages import MAX_TOP_LOGPROBS, Completion, GenerateRequest, no_top_ids, no_top_logprobs
 from areal_bus.model.adapters import load_weights
@@ -117,6 +125,10 @@ class TorchRolloutEngine:
     graph-replayed decode steps, so prefilling every multi-turn agent's next turn the step it arrives
     would make prefills most of the GPU's work; batching them trades a few decode steps of a new turn's
     latency for several times the throughput. 1 prefills every arrival at once.
+
+    ``kv_tokens`` (None: a dense cache of ``max_batch x max_len``) sizes a paged cache
+    (``kv_pages.PagedKVCache``) in tokens, in pages of ``kv_page_tokens``; ``max_batch`` still bounds the
+    requests the engine holds, running or waiting for pages.
     """
 
     def __init__(self, model: CausalLM | str | Path, max_batch: int = 16, max_len: int = 2048,
@@ -126,7 +138,8 @@ class TorchRolloutEngine:
                  version: int = 0, recompute_kv_on_swap: bool = False, max_prefill_tokens: int = 8192,
                  static_decode: bool | None = None, cuda_graphs: bool | None = None, attention: str = "auto",
                  fuse_decode: bool | None = None, decode_buckets: tuple[list[int], list[int]] | None = None,
-                 prefill_every: int | None = None, warn: Callable[[str], None] | None = None, tokenizer=None):
+                 prefill_every: int | None = None, warn: Callable[[str], None] | None = None, tokenizer=None,
+                 kv_tokens: int | None = None, kv_page_tokens: int = 256):
         self.device = torch.device(device)
         dtype = as_dtype(dtype)
         if isinstance(model, (str, Path)):
@@ -147,7 +160,10 @@ class TorchRolloutEngine:
             eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.weight_loader = weight_loader or (lambda location: load_safetensors(location, self.device))
-        self.cache = KVCache(self.cfg, max_batch, max_len, self.device, dtype)
+        self.cache = (KVCache(self.cfg, max_batch, max_len, self.device, dtype) if kv_tokens is None else
+                      PagedKVCache(self.cfg, max_batch, max_len, kv_tokens, kv_page_tokens, self.device, dtype))
+        self.paged = kv_tokens is not None
+        self.preemptions = 0  # running sequences sent back to the queue for want of a page (paged cache)
         if static_decode is None:
             static_decode = self.device.type == "cuda"
         if cuda_graphs is None:
@@ -177,6 +193,11 @@ class TorchRolloutEngine:
     def running_ids(self) -> list[str]:
         return list(self._running) + [s.req.request_id for s in self._pending]
 
+    @property
+    def in_cache(self) -> int:
+        """Sequences in the running batch (holding cache), requests waiting for memory excluded."""
+        return len(self._running)
+
     def add_request(self, req: GenerateRequest) -> None:
         prompt = [int(t) for t in np.asarray(req.prompt_ids).reshape(-1)]
         if self.free_slots <= 0:
@@ -201,21 +222,23 @@ class TorchRolloutEngine:
 
     def peek(self, request_id: str) -> list[int]:
         """The output ids a running request has so far ([] if it is not running)."""
-        s = self._running.get(request_id)
+        s = self._held(request_id)
         return s.tokens[s.prompt_len:] if s is not None else []
 
     def peek_top(self, request_id: str, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """The top_ids and top_logprobs of the tokens ``peek`` gives, from output token ``start`` on
         (shape [0, 0] if the request asked for none or is not running)."""
-        s = self._running.get(request_id)
+        s = self._held(request_id)
         return top_arrays(s, start) if s is not None else (no_top_ids(), no_top_logprobs())
+
+    def _held(self, request_id: str) -> _Seq | None:
+        # a preempted sequence waits in the queue with the tokens it has
+        s = self._running.get(request_id)
+        return s if s is not None else next((p for p in self._pending if p.req.request_id == request_id), None)
 
     @torch.inference_mode()
     def step(self) -> list[Completion]:
-        while self._pending:
-            seq = self._pending.pop(0)
-            seq.slot = heapq.heappop(self._free)
-            self._running[seq.req.request_id] = seq
+        self._admit()
         if not self._running:
             return []
         seqs = list(self._running.values())
@@ -286,6 +309,38 @@ class TorchRolloutEngine:
 
     # -- internals --------------------------------------------------------------------------
 
+    def _admit(self) -> None:
+        """Queued requests into the running batch. Dense: each takes a slot. Paged (the policy and why:
+        kv_pages's docstring): first every running sequence gets the pages its tokens of this step need,
+        oldest first, preempting the youngest while the pool has too few; then, unless that preempted,
+        queued requests in order while a slot and their pages are free (the first that does not fit waits,
+        and so do those behind it)."""
+        if not self.paged:
+            while self._pending:
+                self._start(self._pending.pop(0), heapq.heappop(self._free))
+            return
+        preempted = False
+        for s in list(self._running.values()):
+            while s.slot >= 0 and not self.cache.grow(s.slot, len(s.tokens)):
+                self._preempt(next(reversed(self._running.values())))
+                preempted = True
+        while self._pending and not preempted and self.cache.grow(self._free[0], len(self._pending[0].tokens)):
+            self._start(self._pending.pop(0), heapq.heappop(self._free))
+
+    def _start(self, seq: _Seq, slot: int) -> None:
+        seq.slot = slot
+        self._running[seq.req.request_id] = seq
+
+    def _preempt(self, s: _Seq) -> None:
+        """Back to the front of the queue, its pages and slot freed, its keys/values to be computed again
+        (a prefill of all its tokens when it is admitted again)."""
+        del self._running[s.req.request_id]
+        self.cache.release(s.slot)
+        heapq.heappush(self._free, s.slot)
+        s.slot, s.cached = -1, 0
+        self._pending.insert(0, s)
+        self.preemptions += 1
+
     def _grammar_matcher(self, grammar: str):
         if self.grammars is None:
             # lazy: xgrammar (and the tokenizer it reads) cost a second or more to import and load; a
@@ -340,6 +395,8 @@ class TorchRolloutEngine:
 
     def _finish(self, s: _Seq, reason: str) -> Completion:
         del self._running[s.req.request_id]
+        if self.paged:
+            self.cache.release(s.slot)
         heapq.heappush(self._free, s.slot)
         return make_output(s, reason, self.worker)
 

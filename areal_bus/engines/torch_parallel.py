@@ -21,10 +21,15 @@ mini-batch's tokens, so the sum of the ranks' gradients (FSDP2's average times d
 single-process gradient of the mini-batch; gradient clipping takes the norm of the full gradient over
 every shard (``clip_grad_norm_``).
 
-Rank 0 (the trainer node) alone talks to the bus. Full (unsharded) weights for export and
-checkpoints, and AdamW's full state for checkpoints, are gathered by all ranks together: rank 0 tells
-the others when with a command on the batch channel (``RankGroup``). Checkpoints keep the
-single-process format (an HF folder and an index-keyed ``optimizer.pt``), so a run resumes under any
+Rank 0 (the trainer node) alone talks to the bus. Full (unsharded) weights for checkpoints and
+evaluation, and AdamW's full state for checkpoints, are gathered by all ranks together: rank 0 tells
+the others when with a command on the batch channel (``RankGroup``). A published version (what rollout
+serves) is gathered the same way but a bucket at a time, straight into the publish buffer
+(``gather_in_buckets``): rank 0 claims the free buffer, every rank casts each shard to model.dtype and
+gathers it whole, and rank 0 copies each bucket into the buffer's views and drops it before the next;
+no rank ever holds a second full copy of the model, and rollout workers read that buffer as they read
+a single-process trainer's (CUDA IPC on GPUs, across GPUs too; shared memory on CPU). Checkpoints keep
+the single-process format (an HF folder and an index-keyed ``optimizer.pt``), so a run resumes under any
 layout.
 
 Ranks > 0 run ``python -m areal_bus.engines.torch_parallel`` (started by rank 0; see torch_dp).
@@ -51,11 +56,19 @@ from transformers import AutoConfig
 from areal_bus.config.topology import load_topology
 from areal_bus.engines.torch_dp import CMD_STOP, CMD_TRAIN, DataParallel, backend_for, watch_parent
 from areal_bus.engines.torch_train import TorchTrainEngine, load_optimizer_keeping_options
+from areal_bus.train.lora import wire_name as lora_wire_name
 from areal_bus.train.train_model import PackedLM, save_weights
 
-CMD_WEIGHTS, CMD_OPTIMIZER, CMD_LOAD_OPTIMIZER = 2, 3, 4
+CMD_WEIGHTS, CMD_OPTIMIZER, CMD_LOAD_OPTIMIZER, CMD_PUBLISH = 2, 3, 4, 5
 """Rank 0's commands besides train and stop: gather the full weights / AdamW's full state; load
-AdamW's state from the checkpoint the ranks started from (resume)."""
+AdamW's state from the checkpoint the ranks started from (resume); gather a version into the publish
+buffer, a bucket at a time."""
+
+PUBLISH_BUCKET_BYTES = 512 << 20
+"""Most bytes of gathered (whole) tensors a rank holds at once while publishing, unless one tensor is
+larger (Qwen2-7B's embedding is 1.1 GB in bfloat16). Each tensor is one all-gather whatever the bucket;
+the bucket bounds memory, and a few hundred MB is already far past the size where a gather's bandwidth
+stops growing."""
 
 # Which linear of a decoder layer is split which way under tensor parallelism.
 _TP_PLAN = {"self_attn.q_proj": "col", "self_attn.k_proj": "col", "self_attn.v_proj": "col",
@@ -179,6 +192,53 @@ def full_state_dict(model: torch.nn.Module, trainable_only: bool = False) -> dic
     return out if keep else None
 
 
+def served_params(model: torch.nn.Module, lora: bool) -> list[tuple[str, torch.Tensor]]:
+    """What rollout serves of a (sharded) model, in the order a single process publishes it: the state
+    dict under its Hugging Face names, a tied lm_head left out (``train_model.export_state_dict``); with
+    LoRA the adapters alone under their published names (``lora.wire_weights``). The same list on every
+    rank; its tensors are this rank's parameters (DTensors where sharded), not copies."""
+    if lora:
+        return [(lora_wire_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    return [(n, t) for n, t in model.state_dict(keep_vars=True).items()
+            if not (tied and n == "lm_head.weight") and not n.endswith("rotary_emb.inv_freq")]
+
+
+def gather_in_buckets(items: list[tuple[str, torch.Tensor]], dtype: torch.dtype, bucket_bytes: int,
+                      sink=None) -> None:
+    """Every tensor of ``items`` whole and in ``dtype``, a bucket at a time. A collective: every rank
+    calls it with the same ``items``, in step. A DTensor is cast on its shard (at bfloat16 half the
+    bytes to gather) and gathered (``full_tensor``); a plain tensor (replicated) is passed as it is,
+    for the sink's copy to cast. Buckets are cut before gathering, from the tensors' global sizes:
+    ``sink(bucket)`` (rank 0; None on the others, which drop each tensor at once) receives
+    [(name, tensor)] holding at most ``bucket_bytes`` of gathered tensors (or one larger tensor), must
+    copy them out and keep none, and the next bucket is gathered only after it returns."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    held = 0
+    with torch.no_grad():
+        for name, t in items:
+            n = t.numel() * dtype.itemsize if isinstance(t, DTensor) else 0  # a plain tensor costs nothing new
+            if bucket and held + n > bucket_bytes:
+                sink(bucket)
+                bucket, held = [], 0
+            full = t.detach().to(dtype).full_tensor() if isinstance(t, DTensor) else t.detach()
+            if sink is not None:
+                bucket.append((name, full))
+                held += n
+            del full
+        if bucket:
+            sink(bucket)
+
+
+def copy_into(views: dict[str, torch.Tensor]):
+    """A ``gather_in_buckets`` sink that copies each tensor into its view of the publish buffer (a CUDA
+    copy is queued on the current stream, where the next gather's memory is then reused in order)."""
+    def sink(bucket: list[tuple[str, torch.Tensor]]) -> None:
+        for name, full in bucket:
+            views[name].copy_(full)
+    return sink
+
+
 # ---------------------------------------------------------------------------------------------
 # The ranks and the engine
 # ---------------------------------------------------------------------------------------------
@@ -205,6 +265,7 @@ class ParallelTrainEngine(TorchTrainEngine):
         device = rank_device(topo.trainer_device, int(os.environ.get("LOCAL_RANK", group.rank)))
         self.mesh = make_mesh(par.dp, par.tp, device.type)
         self._weights: dict[str, torch.Tensor] | None = None  # rank 0: the gathered weights of this version
+        self._template: dict[str, torch.Tensor] | None = None  # rank 0: the published layout, as meta tensors
         super().__init__(topo, model_path, publisher=publisher, dp=group, device=device, base_model=base_model)
         self._step_one_by_one()
 
@@ -259,10 +320,35 @@ class ParallelTrainEngine(TorchTrainEngine):
         self._weights = None
         return super().update(data)
 
+    # -- a version for rollout, gathered into the publish buffer ----------------------------------
+    def export_weights(self, version: int) -> tuple[str, int]:
+        """Rank 0: ``version`` gathered from the shards straight into the free publish buffer, a bucket
+        at a time (WeightsBusy, before any rank gathers, while no buffer is free)."""
+        if self.publisher is None:
+            return "", 0
+        if self._template is None:  # names, global shapes and the rollout dtype: no gather needed
+            self._template = {name: torch.empty(t.shape, dtype=self.dtype, device="meta")
+                              for name, t in served_params(self.model, self.lora is not None)}
+        return self.publisher.publish_into(self._template, version, self._gather_published, self.device)
+
+    def _gather_published(self, views: dict[str, torch.Tensor]) -> None:
+        self.group.request(CMD_PUBLISH)
+        try:
+            self.publish_gather(copy_into(views))
+        except Exception as exc:  # noqa: BLE001 -- any: a rank left mid-gather leaves the group out of step
+            self.group.abort(exc)
+            raise
+
+    def publish_gather(self, sink=None, bucket_bytes: int = PUBLISH_BUCKET_BYTES) -> None:
+        """Every rank, together (rank 0 on CMD_PUBLISH's word): the served tensors whole in model.dtype,
+        bucket by bucket to ``sink`` (rank 0; see ``gather_in_buckets``)."""
+        gather_in_buckets(served_params(self.model, self.lora is not None), self.dtype, bucket_bytes, sink)
+
     # -- full state, gathered by all ranks ------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Rank 0: the full weights, with LoRA the adapters' alone (gathered once per version: export,
-        evaluation and checkpoint share them). Other ranks: take part in the gather, get None."""
+        """Rank 0: the full weights, with LoRA the adapters' alone (gathered once per version: evaluation
+        and checkpoint share them; a published version is gathered into its buffer, ``export_weights``).
+        Other ranks: take part in the gather, get None."""
         if self.group.rank == 0:
             if self._weights is not None:
                 return self._weights
@@ -361,6 +447,8 @@ def main(argv=None) -> int:
                 engine.optimizer_state()
             elif cmd == CMD_LOAD_OPTIMIZER:
                 engine.load_optimizer(args.model)
+            elif cmd == CMD_PUBLISH:
+                engine.publish_gather()
             else:
                 raise RuntimeError(f"unknown command {cmd} from rank 0")
     finally:

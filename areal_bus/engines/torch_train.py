@@ -42,10 +42,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import structlog
 import torch
 
 from areal_bus.train.loss import decoupled_ppo_loss, grpo_advantages, kl_penalty, loglinear_proximal, masked_mean
 from areal_bus.wire.messages import Trajectory
+from areal_bus.model.memory import check_at_start
 from areal_bus.model.modeling import as_dtype
 from areal_bus.train.packing import Packed, mini_batch_members, pack_rows
 from areal_bus.train.train_model import (ComputeCopy, PackedLM, autocast, export_state_dict, load_policy, packed_logprobs,
@@ -123,7 +125,12 @@ class TorchTrainEngine:
         load = lambda lora=None: load_policy(self.base_path, self.device, attn_implementation=cfg.attn_implementation,
                                              gradient_checkpointing=cfg.gradient_checkpointing, lora=lora,
                                              dtype=self.dtype)
+        if publisher is not None:  # the memory plan against this card first: a refusal naming numbers, not an OOM
+            check_at_start(topo, "trainer", self.device, getattr(publisher, "base", None), structlog.get_logger())
         lm = load(self.lora).train()
+        # model.share_base: the frozen base moves into the buffer the rollout engines map (model/shared_base.py)
+        self.shared_base = (lora_adapters.share_base(lm, topo, getattr(publisher, "base", None), structlog.get_logger())
+                            if self.lora is not None and publisher is not None and dp is None else None)
         if self.lora is None:
             lm.requires_grad_(True)
         elif self.model_path.resolve() != self.base_path.resolve():

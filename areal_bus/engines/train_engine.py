@@ -83,22 +83,49 @@ class WeightPublisher:
 
     def publish(self, state_dict, version: int) -> tuple[str, int]:
         # lazy: torch, which this module's sim engine never needs
-        from areal_bus.weights.shm import BufferBusy, ShmWeightWriter
+        from areal_bus.weights.shm import BufferBusy
 
-        if self.writer is None and self.topo.trainer_device.startswith("cuda"):
-            # lazy: CUDA IPC only for a trainer on a GPU
-            from areal_bus.weights.cuda import CudaWeightWriter, handles_path, save_handles
-
-            device = next(iter(state_dict.values())).device
-            self.writer = CudaWeightWriter(self.topo.shm_name(self.base), state_dict, device=device)
-            save_handles(handles_path(self.topo.ipc_dir(self.base), self.writer.name), self.writer.handles())
-        elif self.writer is None:
-            self.writer = ShmWeightWriter(self.topo.shm_name(self.base), state_dict)
+        self._make_writer(state_dict, next(iter(state_dict.values())).device)
         try:
             location = self.writer.write(state_dict, version)
         except BufferBusy as exc:
             raise WeightsBusy(str(exc)) from exc
         return location, self.writer.nbytes
+
+    def publish_into(self, template, version: int, fill, device) -> tuple[str, int]:
+        """``publish`` for weights that are never whole in one place (a sharded trainer): claim the free
+        buffer (WeightsBusy, before ``fill`` runs, while none is free), ``fill(views)`` it in place, commit.
+        ``template``: the published tensors' names, shapes and dtypes (meta tensors); ``device``: where
+        the trainer's tensors are (a CUDA writer's buffers go there)."""
+        # lazy: torch, as above
+        from areal_bus.weights.shm import BufferBusy
+
+        self._make_writer(template, device)
+        try:
+            views = self.writer.begin_views(version)
+        except BufferBusy as exc:
+            raise WeightsBusy(str(exc)) from exc
+        try:
+            fill(views)
+        except BaseException:
+            self.writer.abort()
+            raise
+        return self.writer.commit(version), self.writer.nbytes
+
+    def _make_writer(self, template, device) -> None:
+        if self.writer is not None:
+            return
+        if self.topo.trainer_device.startswith("cuda"):
+            # lazy: CUDA IPC only for a trainer on a GPU
+            from areal_bus.weights.cuda import CudaWeightWriter, handles_path, save_handles
+
+            self.writer = CudaWeightWriter(self.topo.shm_name(self.base), template, device=device)
+            save_handles(handles_path(self.topo.ipc_dir(self.base), self.writer.name), self.writer.handles())
+        else:
+            # lazy: torch, as above
+            from areal_bus.weights.shm import ShmWeightWriter
+
+            self.writer = ShmWeightWriter(self.topo.shm_name(self.base), template)
 
     def release(self, version: int) -> None:
         if self.writer is not None:

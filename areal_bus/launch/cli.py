@@ -6,6 +6,8 @@
   areal-bus render TOPOLOGY [-o supervisord.conf]   write the supervisord.conf for a topology
   areal-bus render TOPOLOGY --host ADDR             the conf of one host: the programs placed there
   areal-bus validate TOPOLOGY                       check a topology and the files it names, print it resolved
+  areal-bus plan TOPOLOGY                           the memory plan per GPU: trainer and rollout budgets,
+                                                    itemised; exit 2 if over model.gpu_memory_gib
   areal-bus knobs [--markdown]                      every topology knob: path, type, default, bounds, kind,
                                                     experimental mark, description (--markdown: docs/knobs.md)
   areal-bus node KIND --topology T [--replica N]    run one node (what supervisord runs)
@@ -95,7 +97,36 @@ def cmd_validate(args) -> int:
         print("areal-bus: note: nodes.gateway.config.admin_token is empty here; the gateway refuses to start "
               "without one: export AREAL_BUS_ADMIN_TOKEN (8+ characters) in the shell that starts the run",
               file=sys.stderr)
-    return 0
+    return _plan_check(topo, verbose=False)
+
+
+def _plan_check(topo, verbose: bool) -> int:
+    """The memory plan (areal_bus/model/memory.py): printed whole (``plan``) or as one line per GPU
+    (``validate``, where a GPU is used); 2 when it cannot fit model.gpu_memory_gib or share_base is refused."""
+    if not topo.needs_model() or not (topo.model.device.startswith("cuda") or verbose or topo.model.share_base):
+        return 0
+    from areal_bus.model import memory, shared_base  # lazy: torch, which validate needs for this alone
+
+    why = shared_base.refusal(topo) if topo.model.share_base else None
+    if why is not None:
+        print(f"areal-bus: model.share_base is true, but {why}", file=sys.stderr)
+        return 2
+    plan = memory.make_plan(topo)
+    if plan is None:
+        print("areal-bus plan: nothing to plan (sim engines, or no config.json at model.path)", file=sys.stderr)
+        return 0
+    lines = plan.lines() if verbose else [f"areal-bus: memory plan: {ln.strip()}" for ln in plan.lines()
+                                          if not ln.startswith(" ")]
+    print("\n".join(lines), file=sys.stdout if verbose else sys.stderr)
+    over = plan.over()
+    for line in over:
+        print(f"areal-bus: the memory plan does not fit: {line}", file=sys.stderr)
+    return 2 if over else 0
+
+
+def cmd_plan(args) -> int:
+    topo, _ = _load(args.topology, files=False)
+    return _plan_check(topo, verbose=True)
 
 
 def cmd_node(args) -> int:
@@ -251,6 +282,9 @@ def main(argv=None) -> int:
     v = sub.add_parser("validate", help="check a topology and print it resolved")
     v.add_argument("topology")
     v.set_defaults(fn=cmd_validate)
+    mp = sub.add_parser("plan", help="the memory plan: what the trainer and each rollout engine need on their GPU")
+    mp.add_argument("topology")
+    mp.set_defaults(fn=cmd_plan)
     kn = sub.add_parser("knobs", help="list every topology knob with its type, default, bounds and description")
     kn.add_argument("--markdown", action="store_true", help="the reference, as docs/knobs.md holds it "
                     "(refresh: areal-bus knobs --markdown > docs/knobs.md)")

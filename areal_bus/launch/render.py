@@ -17,6 +17,10 @@ Across hosts, ``render(..., host=H)`` (`areal-bus render T --host H`) writes H's
 areal_bus/config/placement.py places on H (the trainer's rank launcher ``trainer-<node rank>`` and a weight relay
 ``weights-<i>`` where the topology needs them), the endpoints of the others in its header, and
 torchrun's environment (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, NODE_RANK) on the trainer's programs.
+
+Where the topology places GPUs (``nodes.rollout.gpus``, ``nodes.trainer.gpus``), each rollout worker and
+trainer program gets its CUDA_VISIBLE_DEVICES (placement.visible_gpus); a topology without them renders
+as it always did.
 """
 
 from __future__ import annotations
@@ -62,11 +66,13 @@ def _command(kind: str, replica: int, topo_rel: str, host: str | None) -> str:
 
 def _environment(topo: Topology, kind: str, replica: int, host: str | None) -> str:
     env = placement.rank_env(topo, replica) if host is not None and kind == "trainer" else {}
+    gpus = placement.visible_gpus(topo, kind, replica)
+    if gpus is not None:  # its GPUs (nodes.<kind>.gpus); a trainer's ranks inherit them from this program
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     return PATH_ENV + "".join(f',{k}="{v}"' for k, v in env.items())
 
 
-def _program(kind: str, replica: int, topo_rel: str, sup: str, topo: Topology | None = None,
-             host: str | None = None) -> list[str]:
+def _program(kind: str, replica: int, topo_rel: str, sup: str, topo: Topology, host: str | None = None) -> list[str]:
     # Nothing here may depend on the number of replicas: a line that did would change every
     # replica's config on a rescale, and `update` would restart them all.
     name = program_name(kind, replica)
@@ -74,7 +80,7 @@ def _program(kind: str, replica: int, topo_rel: str, sup: str, topo: Topology | 
         f"[program:{name}]",
         f"command={_command(kind, replica, topo_rel, host)}",
         "directory=%(here)s",
-        PATH_ENV if topo is None else _environment(topo, kind, replica, host),
+        _environment(topo, kind, replica, host),
         f"priority={PRIORITY[kind]}",
         "autostart=true",
         "autorestart=unexpected",
@@ -132,6 +138,10 @@ def render(topo: Topology, topology_path: str | os.PathLike, conf_dir: str | os.
     if host is not None and host not in placement.hosts(topo):
         raise ValueError(f"--host {host}: the topology places nothing there; its hosts are "
                          f"{', '.join(placement.hosts(topo))}")
+    if host is None and placement.multi_host(topo) and any(
+            placement.gpus_of(topo, k, 0) is not None for k in ("rollout", "trainer")):
+        raise ValueError(f"nodes.rollout.gpus / nodes.trainer.gpus index the GPUs of each host, and this topology "
+                         f"spans {', '.join(placement.hosts(topo))}: render each host's conf (--host ADDR)")
     programs = placement.programs_on(topo, host)
     log_dir = _here(topo.logging.log_dir.rstrip("/"))
     sup = f"{log_dir}/supervisor"
@@ -161,8 +171,7 @@ def render(topo: Topology, topology_path: str | os.PathLike, conf_dir: str | os.
         "",
     ]
     for kind, replica in sorted(programs, key=lambda p: (PRIORITY[p[0]], p[0], p[1])):
-        out += _program(kind, replica, topo_rel, sup) if host is None else \
-            _program(kind, replica, topo_rel, sup, topo, host)
+        out += _program(kind, replica, topo_rel, sup, topo, host)
     out += [
         "[eventlistener:run_end]",
         f"command=areal-bus run-end --program {_watched(topo, host, programs)}",

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areal_bus.model.modeling import CausalLM, check_state_dict, load_pretrained
+from areal_bus.model.modeling import CausalLM, ModelConfig, check_state_dict, load_pretrained, model_from_state
 
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -75,10 +75,12 @@ def attach(model: CausalLM, targets, rank: int, scale: float) -> CausalLM:
 
 
 def rollout_model(path: str | Path, lora, device: str | torch.device = "cpu",
-                  dtype: torch.dtype | str = torch.float32) -> CausalLM:
+                  dtype: torch.dtype | str = torch.float32, base: dict[str, torch.Tensor] | None = None) -> CausalLM:
     """The rollout model of a run: the checkpoint at ``path``, with zero adapters where ``lora``
-    (trainer_engine.lora, or None) says."""
-    model = load_pretrained(path, device, dtype)
+    (trainer_engine.lora, or None) says. ``base``: the base's tensors to serve as they are (the trainer's
+    shared base, areal_bus/model/shared_base.py: views, not copies) instead of loading ``path``'s."""
+    model = (load_pretrained(path, device, dtype) if base is None
+             else model_from_state(ModelConfig.from_hf(path), base))
     return model if lora is None else attach(model, lora.target_modules, lora.rank, lora.scale)
 
 

@@ -255,6 +255,10 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    def view(self, slots: torch.Tensor, positions: torch.Tensor, length: int) -> _CacheView:
+        """What one forward reads and writes (a paged cache, engines/kv_pages.py, gives its own)."""
+        return _CacheView(self, slots, positions, length)
+
 
 @dataclass(slots=True)
 class _CacheView:
@@ -391,7 +395,7 @@ class CausalLM(nn.Module):
             if positions is None or slots is None:
                 raise ValueError("a cached forward needs positions and slots")
             first, last = (int(x) for x in positions.aminmax())
-            view = _CacheView(cache, slots, positions, last + 1)
+            view = cache.view(slots, positions, last + 1)
             if first == 0 and last == t - 1 and t > 1:
                 mask = None  # fresh prefill: its keys are exactly its own tokens, plain causal
             else:
@@ -515,11 +519,15 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
     """A CausalLM from a Hugging Face checkpoint directory (config.json + safetensors)."""
     cfg = ModelConfig.from_hf(path)
     dtype = as_dtype(dtype)
-    sd = load_safetensors(path, device)
+    return model_from_state(cfg, {k: v.to(dtype) for k, v in load_safetensors(path, device).items()})
+
+
+def model_from_state(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> CausalLM:
+    """A CausalLM whose parameters ARE the tensors of ``sd`` (assigned, not copied: views of a shared
+    base stay views, areal_bus/model/shared_base.py), after checking names and shapes."""
     with torch.device("meta"):
         model = CausalLM(cfg)  # no random init of weights that are about to be replaced
-    sd = {k: v.to(dtype) for k, v in check_state_dict(model, sd).items()}
-    model.load_state_dict(sd, strict=False, assign=True)
+    model.load_state_dict(check_state_dict(model, sd), strict=False, assign=True)
     model.tie_weights()  # assign=True replaced the Parameter objects: tie them again
     return model.eval()
 
@@ -582,5 +590,5 @@ __all__ = [
     "QWEN2_0_5B", "TINY_QWEN2", "TINY_LLAMA", "TINY_QWEN3", "TINY_LLAMA31", "TINY_MISTRAL", "ROPE_TYPES",
     "ModelConfig", "CausalLM", "KVCache", "as_dtype",
     "scaled_logits", "logprobs_of", "logprobs_and_normaliser", "token_logprobs", "load_safetensors", "check_state_dict",
-    "load_pretrained", "save_pretrained", "save_state_dict", "make_random_model", "num_params", "kv_bytes_per_token",
+    "load_pretrained", "model_from_state", "save_pretrained", "save_state_dict", "make_random_model", "num_params", "kv_bytes_per_token",
 ]

@@ -223,3 +223,28 @@ def adapter_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file  # lazy: as load_into
 
     return {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(Path(folder) / ADAPTER_FILE)).items()}
+
+
+# -- one copy of the base -------------------------------------------------------------------------
+
+def share_base(model, topo, base=None, log=None):
+    """With model.share_base (areal_bus/model/shared_base.py), put the frozen base of the trainer's ``model``
+    into the buffer the rollout engines of its device map (in place: the base's parameters become views of
+    it) and return that SharedBase, to keep for the life of the process; None when the run does not share.
+    Logs ``weights_memory``: the bytes of weights this process holds and of the shared base."""
+    # lazy: the shared base imports the weight transport, which `areal-bus validate` (importing this) never needs
+    from areal_bus.model import shared_base
+
+    if not shared_base.enabled(topo):
+        return None
+    why = shared_base.refusal(topo)
+    if why is not None:
+        raise ValueError(f"model.share_base is true, but {why}: leave model.share_base out (or false)")
+    ipc_dir = topo.ipc_dir(base)
+    ipc_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    shared = shared_base.publish(model, topo.shm_name(base), shared_base.identity(topo.model_path(base), topo.model.dtype),
+                                 ipc_dir)
+    held, mapped = shared_base.held_bytes(model, shared.views)
+    if log is not None:
+        log.info("weights_memory", held_bytes=held, shared_base_bytes=mapped, shared_at=shared.where)
+    return shared

@@ -39,13 +39,25 @@ under names; the reader passes them back to ``UntypedStorage._new_shared_cuda`` 
 The handles and the layout manifest are the only things that cross a socket, and they are plain
 values: no pickle (torch's own ``reduce_tensor`` route pickles a rebuild function).
 
-Limits: readers must be on the writer's host and see its GPU; a handle is valid while the writer
-process lives. A CUDA process cannot open its own IPC handles, so readers are other processes.
+A reader on another GPU of the host (a rollout worker beside a trainer on one GPU each): the handles
+name the writer's GPU by UUID (``uuid``; indices differ between processes with other
+CUDA_VISIBLE_DEVICES), and a reader whose own GPU is another one opens the buffers on its own device
+(CUDA maps them there as peer memory, ``cudaIpcMemLazyEnablePeerAccess``; the writer's GPU need not be
+visible to it) and ``open`` copies the version, one flat copy over NVLink or PCIe, into a buffer of its
+own GPU, timed: ``received`` (and ``on_copy``) give the version, bytes and seconds of each copy.
+
+Bucketed writes: ``begin_views(version)`` claims the free buffer and hands out its views to be filled in
+place (a sharded trainer gathers its weights into them a bucket at a time, never holding a full copy:
+engines/torch_parallel.py), then ``commit(version)`` or ``abort()``; ``write`` is that with one copy.
+
+Limits: readers must be on the writer's host; a handle is valid while the writer process lives. A CUDA
+process cannot open its own IPC handles, so readers are other processes.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Mapping
 
 import torch
@@ -53,7 +65,7 @@ import torch
 from areal_bus.weights.shm import BufferBusy, BufferLedger, Layout, WeightShmError
 
 __all__ = [
-    "BufferBusy", "CudaWeightReader", "CudaWeightWriter", "HANDLE_FIELDS", "export_handle",
+    "BufferBusy", "CudaWeightReader", "CudaWeightWriter", "HANDLE_FIELDS", "device_uuid", "export_handle",
     "make_location", "open_handle", "parse_location",
 ]
 
@@ -134,6 +146,12 @@ def open_handle(doc: Mapping) -> torch.Tensor:
     return out.set_(storage, 0, (size,), (1,))
 
 
+def device_uuid(index: int) -> str:
+    """The UUID of this process's CUDA device ``index``: the same GPU has the same UUID in every process,
+    whatever its CUDA_VISIBLE_DEVICES makes of its index."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
 def layout_views(layout: Layout, buf: torch.Tensor) -> dict[str, torch.Tensor]:
     """Tensors viewing the flat uint8 ``buf`` without copying, one per spec."""
     out = {}
@@ -163,7 +181,6 @@ class CudaWeightWriter:
         # handles for the life of the process, so these buffers must stay where they are.
         self.buffers = [torch.empty(max(self.layout.nbytes, 1), dtype=torch.uint8, device=self.device) for _ in range(2)]
         self._views = [layout_views(self.layout, b) for b in self.buffers]
-        self._dst = [list(v.values()) for v in self._views]
         self._handles: dict | None = None
 
     @property
@@ -177,6 +194,7 @@ class CudaWeightWriter:
             self._handles = {
                 "format": HANDLES_FORMAT, "name": self.name, "manifest": self.layout.manifest.decode(),
                 "buffers": [export_handle(b) for b in self.buffers],
+                "uuid": device_uuid(self.device.index),  # which GPU, for readers that number it otherwise
             }
         return self._handles
 
@@ -188,24 +206,39 @@ class CudaWeightWriter:
         once the copy is complete on the device, so the location may be announced at once.
         Raises BufferBusy (nothing written) while that buffer's version is not released."""
         self.layout.check(state_dict)
-        k = self.ledger.claim(version)
+        dst = list(self.begin_views(version).values())
         try:
             src = [state_dict[s.name] for s in self.layout.specs]
             if all(t.device == self.device for t in src):
-                torch._foreach_copy_(self._dst[k], src)  # one launch per group of tensors, not per tensor
+                torch._foreach_copy_(dst, src)  # one launch per group of tensors, not per tensor
             else:
-                for d, t in zip(self._dst[k], src):
+                for d, t in zip(dst, src):
                     d.copy_(t, non_blocking=True)
-            if self.device.type == "cuda":
-                # Only the copy needs to be waited for, not other work the trainer queued elsewhere.
-                done = torch.cuda.Event()
-                done.record(torch.cuda.current_stream(self.device))
-                done.synchronize()
         except BaseException:
-            self.ledger.abort()
+            self.abort()
             raise
-        self.ledger.commit(version)
+        return self.commit(version)
+
+    def begin_views(self, version: int) -> dict[str, torch.Tensor]:
+        """Claim the free buffer for ``version`` and return its views, to be filled in place (in the
+        layout's order or any other) on this device's current stream; then ``commit`` or ``abort``.
+        Raises BufferBusy (nothing claimed) while that buffer's version is not released."""
+        return self._views[self.ledger.claim(version)]
+
+    def commit(self, version: int) -> str:
+        """The views handed out for ``version`` are filled: wait for the copies queued on the current
+        stream, then record the version; returns its location, which may be announced at once."""
+        if self.device.type == "cuda":
+            # Only the copies need to be waited for, not other work the trainer queued elsewhere.
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            done.synchronize()
+        k = self.ledger.commit(version)
         return make_location(self.name, k, version)
+
+    def abort(self) -> None:
+        """Give up the write in progress: its buffer holds nothing valid and may be claimed again."""
+        self.ledger.abort()
 
     def mark_released(self, version: int) -> None:
         """Every reader has left every version <= ``version`` (acked a newer one): its buffer may be reused."""
@@ -214,9 +247,16 @@ class CudaWeightWriter:
 
 class CudaWeightReader:
     """A rollout process's side: opens both buffers of a writer once, then switches versions by
-    pointing at the other buffer's views."""
+    pointing at the other buffer's views, or, on another GPU than the writer's, by copying the version
+    into a buffer of its own GPU.
 
-    def __init__(self, handles: Mapping):
+    ``device``: this process's GPU (default: the current one). Handles that name the writer's GPU
+    (``uuid``) are opened on it; those of an older writer on the index they carry. ``copy``: copy every
+    version into this GPU even on the writer's own (a benchmark of the copy path on one GPU); on another
+    GPU it always copies. ``on_copy(version=, nbytes=, seconds=)`` is called after each copy."""
+
+    def __init__(self, handles: Mapping, device: str | torch.device | int | None = None, *, copy: bool = False,
+                 on_copy=None):
         if not isinstance(handles, Mapping) or handles.get("format") != HANDLES_FORMAT:
             raise WeightShmError(f"not a CUDA weight handles dict of format {HANDLES_FORMAT}")
         name, bufs = handles.get("name"), handles.get("buffers")
@@ -227,23 +267,59 @@ class CudaWeightReader:
         except (ValueError, TypeError) as exc:
             raise WeightShmError(f"bad manifest: {exc}") from None
         self.name = name
+        uuid = handles.get("uuid")
+        if uuid is not None and not isinstance(uuid, str):
+            raise WeightShmError(f"CUDA weight handles: uuid {uuid!r:.40} is not a string")
+        if uuid is None and device is None:  # an older writer's handles: open them where they say
+            self.peer = False
+        else:
+            own = _own_device(device)
+            # On another GPU the buffers are opened on this one, as peer memory (see the module docstring).
+            self.peer = uuid is not None and device_uuid(own.index) != uuid
+            bufs = [{**b, "device": own.index} for b in bufs]
         self.buffers = [open_handle(b) for b in bufs]
         if any(b.numel() < self.layout.nbytes for b in self.buffers):
             raise WeightShmError("a CUDA weight buffer is smaller than its layout")
         self.device = self.buffers[0].device
         self._views = [layout_views(self.layout, b) for b in self.buffers]
+        self.copies = self.peer or copy
+        # One buffer of this GPU holds the copied version: the engines copy a version into their own
+        # parameters when they swap, so its views are needed only until the next ``open``.
+        self.local: torch.Tensor | None = None  # that buffer (flat uint8), when copying
+        self._local_views: dict[str, torch.Tensor] | None = None
+        if self.copies:
+            self.local = torch.empty(max(self.layout.nbytes, 1), dtype=torch.uint8, device=self.device)
+            self._local_views = layout_views(self.layout, self.local)
+        self.on_copy = on_copy
+        self.received: tuple[int, int, float] | None = None  # (version, bytes, seconds) of the last copy
         self.serving: int | None = None
 
     def views(self, k: int) -> dict[str, torch.Tensor]:
         return self._views[k]
 
     def open(self, location: str) -> dict[str, torch.Tensor]:
-        """The views of the buffer ``location`` names: the flip. The caller trusts the announcement
-        (the writer committed the version before announcing it; the ledger keeps it there until this
-        reader acks a newer one)."""
+        """The views of the buffer ``location`` names: the flip, or the copy into this GPU (views valid
+        until the next ``open``). The caller trusts the announcement (the writer committed the version
+        before announcing it; the ledger keeps it there until this reader acks a newer one)."""
         name, k, version = parse_location(location)
         if name != self.name:
             raise ValueError(f"location {location!r} is not of weight set {self.name!r}")
+        if self.local is not None:
+            n = self.layout.nbytes
+            # On the current stream, after whatever still reads the local buffer (the last swap's copies):
+            # waited for first, so that the time is the copy's alone.
+            stream = torch.cuda.current_stream(self.device)
+            stream.synchronize()
+            t0 = time.perf_counter()
+            self.local[:n].copy_(self.buffers[k][:n], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+            done.synchronize()  # whole before the caller serves it (and before it acks the writer's buffer)
+            self.received = (version, n, time.perf_counter() - t0)
+            if self.on_copy is not None:
+                self.on_copy(version=version, nbytes=n, seconds=self.received[2])
+            self.serving = version
+            return self._local_views
         self.serving = version
         return self._views[k]
 
@@ -255,6 +331,19 @@ class CudaWeightReader:
     def close(self) -> None:
         self._views.clear()
         self.buffers.clear()
+        self.local = self._local_views = None
+
+
+def _own_device(device) -> torch.device:
+    """This process's GPU as a ``cuda:<index>`` device: ``device`` (an index, "cuda", "cuda:k"), or the
+    current one."""
+    torch.cuda._lazy_init()
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"a CUDA weight reader needs a CUDA device, not {device!r}")
+    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
 
 # -- how the nodes meet: the handles travel once, as a file beside the run's ipc sockets ----------

@@ -194,6 +194,12 @@ class ShmWeightWriter:
         progress and returns its data region for the caller to fill (``weights_transfer.ChunkAssembler`` does)."""
         return self._segments[self._begin(version)].data()
 
+    def begin_views(self, version: int) -> dict[str, torch.Tensor]:
+        """``begin``, with the claimed buffer as writable tensors of the layout, to be filled in place
+        (a sharded trainer gathers its weights into them a bucket at a time: engines/torch_parallel.py);
+        then ``commit`` or ``abort``. The copies must be complete (synchronous CPU copies) at commit."""
+        return self._segments[self._begin(version)].views()
+
     def _begin(self, version: int) -> int:
         k = self.ledger.claim(version)
         seg = self._segments[k]
