@@ -1,8 +1,10 @@
 """Torch rollout engine decode speed on CUDA, beside Hugging Face transformers ``generate`` on the same
 GPU in the same run, and a check of the engine's logprobs against a full forward pass.
 
-Model: Qwen2-0.5B's shape (24 layers, hidden 896, 14 heads over 2 kv heads, vocabulary 151936), random
-weights (seed 0, std 0.02), bf16. Workload: a batch of 128-token random prompts, exactly ``--new``
+Model: Qwen2-0.5B's shape (24 layers, hidden 896, 14 heads over 2 kv heads, vocabulary 151936), or
+another of bench/trainer.py's table (``--shape``, bench/shapes.py: 1.5b, 3b, 7b, 8b Llama-3.1-8B, qwen3-8b;
+the transformers rows take Qwen2 shapes only: --no-hf for the others), random weights (std 0.02; drawn
+on the GPU), bf16. Workload: a batch of 128-token random prompts, exactly ``--new``
 new tokens each (no EOS stop), greedy. Rows, each after one warm-up run of the same shape:
 
   hf generate     transformers Qwen2ForCausalLM holding the same weights, sdpa attention, greedy,
@@ -19,7 +21,12 @@ new tokens each (no EOS stop), greedy. Rows, each after one warm-up run of the s
   engine gather   the older path: a per-step gather of each slot's cache (--variants)
 
 tokens/s = batch x new tokens / wall time from the first add_request (or the generate call) to the
-last completion, prefill included. ``--longtail``: each row's new tokens drawn instead (lognormal, median
+last completion, prefill included. On CUDA a "bandwidth bound (decode)" row per batch: the card's device
+copy rate is measured first (a 2 GiB device-to-device copy, bytes read + written per second), and the
+batch's decode steps can go no faster than reading, each step, the weights once (an untied input
+embedding left out: a step reads its rows only) and every running row's keys and values so far, at that
+rate; prefill is not counted, so the bound is generous. Each engine row says its share of it; with
+``--profile`` the profiled step's own bound (its rows' cached tokens) beside the step's time. ``--longtail``: each row's new tokens drawn instead (lognormal, median
 500, sigma 0.8, clipped 200..3,000 and seeded, as the headline's workload; no HF row), so the batch
 drains as rows finish and the longest rows set the length bucket: where the decode attention's cost per
 row (the bucket's length, or the row's own) shows; tokens/s counts the tokens drawn. Then the logprob
@@ -39,6 +46,7 @@ Run:  python3 bench/engine.py                          (CUDA host: about 2 minut
       python3 bench/engine.py --no-hf --vllm --swap --prefix     (+ vLLM; scripts/gpu-host/gpu_vllm.sh installs it)
       python3 bench/engine.py --no-hf --vllm --new 2048 --batches 256      (the long-output shape)
       python3 bench/engine.py --variants               (+ the other attentions, eager and gather rows)
+      python3 bench/engine.py --shape 8b --no-hf --batches 64 256 --profile    (8B-class decode against its bound)
       python3 bench/engine.py --no-hf --longtail --batches 256 --variants   (long-tailed lengths)
       python3 bench/engine.py --no-hf --longtail --batches 256 --variants --rows engine 'engine flash_varlen' \
           'engine sdpa+compile' 'engine flash_varlen+compile'          (the attentions and fusion alone)
@@ -68,12 +76,11 @@ import torch  # noqa: E402
 from areal_bus.engines.cuda_decode import ATTENTION  # noqa: E402
 from areal_bus.engines.torch_engine import TorchRolloutEngine  # noqa: E402
 from areal_bus.wire.messages import GenerateRequest  # noqa: E402
-from areal_bus.model.modeling import QWEN2_0_5B, TINY_QWEN2, make_random_model, token_logprobs  # noqa: E402
+from areal_bus.model.modeling import TINY_QWEN2, kv_bytes_per_token, make_random_model, token_logprobs  # noqa: E402
+from bench.shapes import random_model, shapes  # noqa: E402
 
 LOGPROB_BATCH = 8
-SHAPES = {"0.5b": QWEN2_0_5B,
-          "1.5b": {**QWEN2_0_5B, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-                   "num_attention_heads": 12, "num_key_value_heads": 2}}
+SHAPES = {k: v for k, v in shapes().items() if k != "tiny"}  # bench/trainer.py's table (bench/shapes.py)
 
 
 def run_vllm(model, args, prompts: dict[int, torch.Tensor], lp_prompts: torch.Tensor) -> dict:
@@ -164,6 +171,45 @@ def generate(engine: TorchRolloutEngine, reqs: list[GenerateRequest]) -> tuple[f
     return time.perf_counter() - t0, out
 
 
+def copy_rate(device: torch.device, gib: float = 2.0, reps: int = 7) -> float:
+    """The card's measured device copy rate, bytes moved (read + written) per second: the median of
+    ``reps`` device-to-device copies of ``gib`` GiB, after one untimed."""
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(reps + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    free(device)
+    return 2 * gib * 2**30 / float(np.median(times[1:]))
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter once, less an untied input embedding (a
+    step reads only its rows); a tied one is the head, read whole."""
+    cfg = model.cfg
+    n = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied embedding once
+    emb = model.model.embed_tokens.weight
+    return n - (0 if cfg.tie_word_embeddings else emb.numel() * emb.element_size())
+
+
+def decode_bound_s(model, prompt: int, lengths: list[int], rate: float, dtype: torch.dtype) -> tuple[float, float]:
+    """(seconds, bytes) the decode steps of one batch need at least at ``rate``: each step reads the weights
+    once and every running row's keys and values (its prompt and the tokens so far); the first token of
+    each row comes from its prefill, not counted (so the bound leaves prefill out: a generous bound)."""
+    per_token = kv_bytes_per_token(model.cfg, dtype)
+    w = weight_bytes(model)
+    total = 0
+    for t in range(1, max(lengths)):  # step t feeds each running row its t-th token
+        rows = [n for n in lengths if n > t]
+        total += w + per_token * sum(prompt + t for _ in rows)
+    return total / rate, total
+
+
 def row_key(what: str) -> str:
     """A row's name as a RESULT key: "engine sdpa+compile" -> engine_sdpa_compile, "engine T=1" -> engine_t1."""
     return what.replace(" ", "_").replace("=", "").replace("+", "_").lower()
@@ -238,6 +284,7 @@ def profile_step(model, args, batch: int, attention: str | None) -> dict:
     del engine, fast
     free(device)
     return {"step_ms": float(np.median(times)) * 1e3, "bucket": (b, length), "kernels": len(events) / reps,
+            "kv_tokens": sum(p + 1 for p in positions),
             "kernel_ms": sum(sum(v) for v in by_name.values()) / reps / 1e3,
             "top": [(name, sum(v) / reps / 1e3, len(v) // reps) for name, v in top]}
 
@@ -312,10 +359,14 @@ def main() -> int:
         torch.set_num_threads(min(4, torch.get_num_threads()))
     cfg = TINY_QWEN2 if args.tiny else SHAPES[args.shape]
     t0 = time.perf_counter()
-    model = make_random_model(cfg, seed=0, device=device, dtype=dtype, std=0.2 if args.tiny else 0.02)
+    if not args.tiny and cfg["model_type"] != "qwen2" and not args.no_hf:
+        raise SystemExit(f"--shape {args.shape}: the transformers rows take Qwen2 shapes only; add --no-hf")
+    model = (make_random_model(cfg, seed=0, device=device, dtype=dtype, std=0.2) if args.tiny
+             else random_model(cfg, device, dtype))
     hf = None if args.no_hf else hf_model(model, device, dtype)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"model {'tiny qwen2' if args.tiny else f'Qwen2-{args.shape.upper()} shape'} {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+    name = "tiny qwen2" if args.tiny else f"{args.shape} shape ({cfg['model_type']})"
+    print(f"model {name} {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
           f"params {str(dtype).removeprefix('torch.')} on {gpu}; torch {torch.__version__}; prompts {args.prompt} "
           f"tokens, {'long-tailed new tokens (median 500, 200..3,000)' if args.longtail else f'{args.new} new tokens'} "
           f"each; built in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -325,12 +376,27 @@ def main() -> int:
     gen = torch.Generator().manual_seed(1)
     result = {}
     batch_prompts = {}
+    rate = None
+    if device.type == "cuda":  # the memory-bandwidth bound's denominator
+        rate = copy_rate(device)
+        print(f"device copy rate (2 GiB d2d, read + written) {rate / 1e12:.2f} TB/s; decode reads per step: weights "
+              f"{weight_bytes(model) / 1e9:.2f} GB + {kv_bytes_per_token(model.cfg, dtype) / 1e3:.1f} KB of keys and "
+              f"values per cached token", flush=True)
+        result["copy_tb_s"] = round(rate / 1e12, 3)
     print(f"{'batch':>5}  {'what':<27} {'tokens/s':>10} {'x hf':>6} {'warm s':>7} {'cold s':>7}", flush=True)
     for batch in args.batches:
         prompts = torch.randint(0, model.cfg.vocab_size, (batch, args.prompt), generator=gen).to(device)
         batch_prompts[batch] = prompts
-        tokens = sum(longtail_lengths(batch)) if args.longtail else batch * args.new
+        lengths = longtail_lengths(batch) if args.longtail else [args.new] * batch
+        tokens = sum(lengths)
         hf_tps = None
+        bound_tps = None
+        if rate is not None:
+            bound_s, moved = decode_bound_s(model, args.prompt, lengths, rate, dtype)
+            bound_tps = tokens / bound_s
+            print(f"{batch:>5}  {'bandwidth bound (decode)':<27} {bound_tps:>10.0f} {'':>6} {bound_s:>7.2f} {'':>7}   "
+                  f"({moved / 1e9:.1f} GB read by {max(lengths) - 1} decode steps; prefill not counted)", flush=True)
+            result[f"bound_tok_s_{batch}"] = round(bound_tps)
         if hf is not None:
             secs = run_hf(hf, prompts, args.new)
             hf_tps = tokens / secs
@@ -351,8 +417,11 @@ def main() -> int:
             warm, cold = run_engine(model, args, prompts, mode, temperature, attention)
             tps = tokens / warm
             ratio = tps / hf_tps if hf_tps else float("nan")
-            print(f"{batch:>5}  {what:<27} {tps:>10.0f} {ratio:>6.2f} {warm:>7.2f} {cold:>7.2f}", flush=True)
+            of_bound = f"   {tps / bound_tps:.0%} of the bound" if bound_tps else ""
+            print(f"{batch:>5}  {what:<27} {tps:>10.0f} {ratio:>6.2f} {warm:>7.2f} {cold:>7.2f}{of_bound}", flush=True)
             result[f"{row_key(what)}_tok_s_{batch}"] = round(tps)
+            if bound_tps:
+                result[f"{row_key(what)}_of_bound_{batch}"] = round(tps / bound_tps, 3)
             if what == "engine" and hf_tps:
                 result[f"ratio_{batch}"] = round(ratio, 2)
     if args.profile:
@@ -363,6 +432,12 @@ def main() -> int:
             print(f"profile {what} at batch {batch}, bucket {p['bucket']}: step {p['step_ms']:.2f} ms "
                   f"({'graph replay' if main_mode == 'graphs' else 'eager'}); eager {p['kernels']:.0f} {unit} a step, "
                   f"{p['kernel_ms']:.2f} ms of device time", flush=True)
+            if rate is not None:  # the same step's bound: the weights and these rows' keys and values, read once
+                step_bytes = weight_bytes(model) + kv_bytes_per_token(model.cfg, dtype) * p["kv_tokens"]
+                bound_ms = step_bytes / rate * 1e3
+                print(f"    bandwidth bound of this step: {step_bytes / 1e9:.2f} GB in {bound_ms:.2f} ms; the step takes "
+                      f"{p['step_ms'] / bound_ms:.2f}x that ({bound_ms / p['step_ms']:.0%} of the bound)", flush=True)
+                result[f"{row_key(what)}_step_bound_ms"] = round(bound_ms, 2)
             for name, ms, count in p["top"]:
                 print(f"    {ms:>7.3f} ms  {count:>4} x  {name[:90]}", flush=True)
             key = row_key(what)

@@ -4,11 +4,17 @@ busy fraction, the rollout engine's running batch over time, the staleness histo
 
 The whole system runs as it does for a user: supervisord starts the bus, agents, one rollout worker,
 reward, trainer and weight broadcaster as processes; the rollout worker and the trainer share the GPU
-and hand each version over by CUDA IPC. The policy has a Qwen2 body (``--shape 0.5b``: hidden 896, 24
-layers, 14 heads, 2 kv heads, intermediate 4864; ``1.5b``: hidden 1536, 28 layers, 12/2 heads,
-intermediate 8960; ``tiny``: the shipped model's own) with seeded random weights and the shipped tiny
-model's character-level tokenizer (so the vocabulary, and the embedding, are the tokenizer's, not
-Qwen's 151,936): throughput is the point here, not what it learns.
+and hand each version over by CUDA IPC. The policy has the body of a shape of bench/trainer.py's table
+(bench/shapes.py: ``--shape 0.5b`` Qwen2-0.5B, ``1.5b``, ``3b`` Qwen2.5-3B, ``7b`` Qwen2.5-7B, ``8b``
+Llama-3.1-8B, ``qwen3-8b``; ``tiny``: the shipped model's own) with seeded random weights (drawn on the GPU)
+and the shipped tiny model's character-level tokenizer (so the vocabulary, and the embedding, are the
+tokenizer's 99 ids, not Qwen's 151,936 or Llama's 128,256: at 8B that leaves out ~1B parameters of
+embedding and head, 2 GB in bf16 per copy): throughput is the point here, not what it learns.
+``--lora RANK`` trains LoRA adapters (trainer_engine.lora, alpha 2 x RANK, all seven projections; the
+rollout engine serves them unmerged and each version moves the adapter alone); ``--set KEY VALUE`` sets any
+topology field in every run (e.g. ``trainer_engine.gradient_checkpointing true``, or a knob such as the
+rollout engine's KV budget). Each run's GPU memory is sampled by nvidia-smi every second: the device's
+peak, and each node process's where nvidia-smi lists processes.
 
 Workloads (``--workload``):
   guess     the multi-turn guess-the-number task (a few tokens a turn, up to 5 turns);
@@ -47,6 +53,8 @@ Run:  python3 bench/gpu_e2e.py                    (on the GPU machine: guess at 
       bash scripts/gpu-host/gpu_headline.sh                (issue 15's table: longtail at 0.5B, both policies)
       bash scripts/gpu-host/gpu_vllm.sh python3 bench/gpu_e2e.py --engine vllm      (vLLM installed by that script)
       python3 bench/gpu_e2e.py --device cuda:0 --trainer-device cuda:1   (two GPUs: rollout and trainer apart)
+      python3 bench/gpu_e2e.py --shape 8b --lora 16 --workload longtail --batch 64 --median 250 --max-len 1000 \
+          --set trainer_engine.gradient_checkpointing true   (issue 51: 8B-class with LoRA, lengths scaled)
       .venv/bin/python bench/gpu_e2e.py --shape tiny --device cpu --steps 4 --skip 1   (a CPU smoke run)
       .venv/bin/python bench/gpu_e2e.py --shape tiny --device cpu --workload longtail --batch 16 --steps 4 \\
           --skip 1 --median 24 --min-len 8 --max-len 96 --runs async:2:true async:2:false sync
@@ -65,6 +73,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,34 +85,40 @@ sys.path.insert(0, str(ROOT))
 
 from areal_bus.config.topology import TopologyError, parse_topology  # noqa: E402
 from bench.harness import run_logged  # noqa: E402
+from bench.shapes import body, random_model, shapes  # noqa: E402
 
-SHAPES = {
-    "tiny": {},
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, max_position_embeddings=4096),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960, max_position_embeddings=4096),
-}
-"""Qwen2 bodies (Qwen2-0.5B's and Qwen2-1.5B's config.json, less the vocabulary)."""
+SHAPES = {"tiny": {}, **{name: body(cfg) for name, cfg in shapes().items() if name != "tiny"}}
+"""The policy's body: bench/trainer.py's table (bench/shapes.py), less the vocabulary; "tiny": the shipped
+model's own."""
 
 TEMPLATE_TOKENS = 16
 """Room for the chat template around a longtail prompt (areal_bus/tasks/longtail.py keeps the same)."""
 
 
-def build_model(out: Path, shape: str, dtype: str, max_len: int) -> int:
-    """The tiny model's config and tokenizer with the chosen body, seeded random weights."""
-    from areal_bus.model.modeling import make_random_model, num_params, save_pretrained
+def build_model(out: Path, shape: str, dtype: str, max_len: int, device: str = "cpu") -> int:
+    """The tiny model's config and tokenizer with the chosen body, seeded random weights (drawn on the GPU
+    where ``device`` is one: bench/shapes.py)."""
+    from areal_bus.model.modeling import num_params, save_pretrained
 
     src = ROOT / "models" / "tiny-guess"
     cfg = json.loads((src / "config.json").read_text())
+    if {"rope_theta", "rope_scaling"} & set(SHAPES[shape]):
+        cfg.pop("rope_parameters", None)  # the body's RoPE, not the tiny model's (read before rope_theta)
     cfg.update(SHAPES[shape])
-    cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], max_len)
-    model = make_random_model(cfg, seed=0, dtype=dtype)
+    # RoPE tables for the lengths the run can reach (not the shape's 32k-131k)
+    cfg["max_position_embeddings"] = max(min(cfg["max_position_embeddings"], 4096), max_len)
+    model = random_model(cfg, device if device.startswith("cuda") else "cpu", dtype)
     save_pretrained(model, out)
+    n = num_params(model)
+    del model
+    if device.startswith("cuda"):
+        import torch  # lazy: a CPU run's parent needs no torch
+
+        torch.cuda.empty_cache()  # this process holds no weights while the runs go
     for f in src.iterdir():
         if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja", "vocab.json"):
             shutil.copy(f, out / f.name)
-    return num_params(model)
+    return n
 
 
 @dataclass(frozen=True)
@@ -218,7 +233,87 @@ def topology(model: Path, run: Run, args) -> dict:
         topo["rollout_engine"]["output_len"] = {"dist": "lognormal", "median": args.median, "sigma": args.sigma,
                                                 "min": args.min_len, "max": args.max_len}
     topo["async"] = {"enabled": run.mode == "async"}
+    if getattr(args, "lora", 0):  # (a caller's namespace may predate --lora and --set)
+        topo["trainer_engine"]["lora"] = {"rank": args.lora, "alpha": 2 * args.lora}
+    for key, value in getattr(args, "set", None) or []:  # --set trainer_engine.gradient_checkpointing true ...: last word
+        *parents, leaf = key.split(".")
+        node = topo
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
     return topo
+
+
+# -- the GPU memory a run used ---------------------------------------------------------------------
+
+class GpuMemory:
+    """The GPU memory a run used, sampled by nvidia-smi every ``every`` s from a thread while the run goes:
+    each device's peak of used memory, and each compute process's peak, named by its node (rollout-0,
+    trainer-0) from its command line. Where nvidia-smi shows no processes (some containers), the devices'
+    alone. Nothing without nvidia-smi (a CPU run)."""
+
+    def __init__(self, every: float = 1.0):
+        self.every, self.stop = every, threading.Event()
+        self.device: dict[str, tuple[float, float]] = {}  # index: (peak used MiB, total MiB)
+        self.process: dict[str, float] = {}  # node name: peak MiB
+        self.names: dict[str, str] = {}
+        self.thread = threading.Thread(target=self.loop, daemon=True) if shutil.which("nvidia-smi") else None
+
+    def __enter__(self) -> "GpuMemory":
+        if self.thread is not None:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(10)
+
+    def loop(self) -> None:
+        while True:
+            try:
+                self.sample()
+            except (OSError, ValueError, subprocess.SubprocessError):
+                pass  # a sample missed (nvidia-smi slow or busy): the next one counts
+            if self.stop.wait(self.every):
+                return
+
+    @staticmethod
+    def query(what: str) -> list[list[str]]:
+        out = subprocess.run(["nvidia-smi", f"--query-{what}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+        return [[x.strip() for x in line.split(",")] for line in out.splitlines() if line.strip()]
+
+    def sample(self) -> None:
+        for index, used, total in self.query("gpu=index,memory.used,memory.total"):
+            self.device[index] = (max(float(used), self.device.get(index, (0.0, 0.0))[0]), float(total))
+        for pid, used in self.query("compute-apps=pid,used_memory"):
+            name = self.names.setdefault(pid, node_name(pid))
+            self.process[name] = max(float(used), self.process.get(name, 0.0))
+
+    def line(self) -> str:
+        gib = lambda mib: mib / 1024
+        devices = ", ".join(f"GPU {k} peak {gib(u):.1f} of {gib(t):.0f} GiB" for k, (u, t) in sorted(self.device.items()))
+        procs = ", ".join(f"{k} {gib(v):.1f} GiB" for k, v in sorted(self.process.items()))
+        return f"GPU memory (nvidia-smi, every {self.every:g} s): {devices or 'not sampled'}; per process peak: " \
+               f"{procs or 'none shown (nvidia-smi lists no processes here)'}"
+
+    def fields(self, run: str) -> list[str]:
+        out = [f"{run}_gpu{k}_peak_gib={u / 1024:.1f}" for k, (u, _) in sorted(self.device.items())]
+        return out + [f"{run}_mem_{k.replace('-', '_')}_gib={v / 1024:.1f}" for k, v in sorted(self.process.items())]
+
+
+def node_name(pid: str) -> str:
+    """A node's name from its command line (areal-bus node KIND ... --replica N: KIND-N), else the program's."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return f"pid {pid}"
+    if "node" in argv and argv.index("node") + 1 < len(argv):
+        kind = argv[argv.index("node") + 1]
+        replica = argv[argv.index("--replica") + 1] if "--replica" in argv[:-1] else "0"
+        return f"{kind}-{replica}"
+    return f"{Path(argv[0]).name} {pid}"
 
 
 # -- what a run left, summarised ------------------------------------------------------------------
@@ -390,6 +485,11 @@ def main() -> int:
     ap.add_argument("--engine", default="torch", choices=["torch", "vllm"], help="the rollout engine")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vllm: its share of the GPU")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK", help="trainer_engine.lora of this rank, alpha "
+                    "2 x RANK, all seven projections (0: full fine-tuning); the rollout engine serves the adapter")
+    ap.add_argument("--set", nargs=2, action="append", metavar=("KEY", "VALUE"), help="override a field of every "
+                    "run's topology (dotted key, YAML value), after the rest: e.g. --set "
+                    "trainer_engine.gradient_checkpointing true --set trainer_engine.micro_batch_tokens 8192")
     args = ap.parse_args()
     if args.tiny:
         args.shape = "tiny"
@@ -410,7 +510,9 @@ def main() -> int:
 
 
 def bench(args, runs: list[Run], work: Path) -> int:
-    n = build_model(work / "model", args.shape, args.dtype, max_len_of(args))
+    t_build = time.monotonic()
+    n = build_model(work / "model", args.shape, args.dtype, max_len_of(args), args.device)
+    t_build = time.monotonic() - t_build
     hw = platform.processor() or platform.machine()
     if args.device.startswith("cuda"):
         import torch
@@ -423,16 +525,19 @@ def bench(args, runs: list[Run], work: Path) -> int:
           f"({args.dtype}); {lengths}; global batch {args.batch}, trigger {args.trigger or args.batch // 2}, "
           f"{args.agents} agents, {args.steps} updates per run, first {args.skip} left out; rollout engine "
           f"{args.engine}, max_batch {args.rollout_batch}"
-          + (f", decode attention {args.decode_attention}" if args.engine == "torch" else ""), flush=True)
+          + (f", decode attention {args.decode_attention}" if args.engine == "torch" else "")
+          + (f"; LoRA rank {args.lora} alpha {2 * args.lora}" if args.lora else "; full fine-tuning")
+          + "".join(f"; {k} {v}" for k, v in args.set or []) + f"; weights drawn in {t_build:.0f} s", flush=True)
     print(f"{'run':28s} {'samples/s':>9s} {'tokens/s':>9s} {'ratio':>5s} {'busy':>5s} {'running batch':>20s} "
           f"{'<half':>5s}  {'dropped':>12s} {'over_bound':>10s} {'gen tok/s idle/train':>20s}  staleness histogram "
           f"(counted updates)", flush=True)
     results: dict[Run, Summary] = {}
-    failed = []
+    failed, gpu_fields = [], []
     for run in runs:
         t0 = time.monotonic()
         try:
-            logs = run_logged(topology(work / "model", run, args), run.name, args.keep_logs, timeout=args.timeout)
+            with GpuMemory() as memory:
+                logs = run_logged(topology(work / "model", run, args), run.name, args.keep_logs, timeout=args.timeout)
         except subprocess.TimeoutExpired:  # run_logged has stopped its system; the other runs still go
             print(f"{run.label:28s} not finished after --timeout {args.timeout:.0f} s: stopped, no row (a synchronous "
                   f"run waits for each batch's longest output: give it more time)", flush=True)
@@ -461,6 +566,9 @@ def bench(args, runs: list[Run], work: Path) -> int:
               f"{'':28s} |{line}|\n{'':28s}  {marks}", flush=True)
         if note := steady_note(s):
             print(f"{'':28s} {note}", flush=True)
+        if memory.device:
+            print(f"{'':28s} {memory.line()}", flush=True)
+            gpu_fields += memory.fields(run.name)
     sync = next((v for r, v in results.items() if r.mode == "sync"), None)
     fields = [f"workload={args.workload}", f"shape={args.shape}", f"engine={args.engine}"]
     for run, s in results.items():
@@ -474,6 +582,7 @@ def bench(args, runs: list[Run], work: Path) -> int:
         first = next((s for r, s in results.items() if r.mode == "async"), None)
         if first is not None:
             fields += [f"async_sps={first.sps:.2f}", f"sync_sps={sync.sps:.2f}", f"ratio={first.sps / sync.sps:.2f}"]
+    fields += gpu_fields
     fields += [f"failed={','.join(r.name for r in failed)}"] if failed else []
     print("RESULT " + " ".join(fields))
     return 1 if failed else 0

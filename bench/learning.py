@@ -14,6 +14,7 @@ Run:   .venv/bin/python bench/learning.py                  (about 4 minutes on 2
        ... --seeds 3 4 5 6 --parallel 4   (four runs at a time, each its own supervisord; on one GPU they
                                     share it, so compare their curves by samples, not their speed; a run
                                     that fails, e.g. out of GPU memory, is named and its seed left out)
+       ... --lora 16 --set learning_rate 1e-4   (LoRA adapters of rank 16 instead of every weight)
        .venv/bin/python bench/learning.py --combine DIR1 DIR2   (no runs: the seeds' summary over saved pairs,
                                                            e.g. one pair per GPU call)
 
@@ -186,6 +187,9 @@ def main() -> int:
     p.add_argument("--keep-logs", type=Path, default=None)
     p.add_argument("--set", nargs=2, action="append", metavar=("KEY", "VALUE"),
                    help="override a topology field (dotted key, YAML value), e.g. --set learning_rate 5e-6")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters of this rank (trainer_engine."
+                   "lora: alpha 2 x RANK, all seven projections; a --set of trainer_engine.lora.* after it wins); "
+                   "0: the topology's own (full fine-tuning unless it says otherwise)")
     p.add_argument("--repeats", type=int, default=1, help="pairs of runs (async then sync), seed k in the k-th "
                    "(model.seed and agent.seed): mean and spread per mode instead of one pair's curves")
     p.add_argument("--seeds", type=int, nargs="+", default=None,
@@ -221,6 +225,8 @@ def main() -> int:
     base = yaml.safe_load(args.topology.read_text())
     if args.steps:
         base["max_steps"] = args.steps
+    if args.lora:
+        base.setdefault("trainer_engine", {})["lora"] = {"rank": args.lora, "alpha": 2 * args.lora}
     for key, value in (args.set or []):  # e.g. --set learning_rate 5e-6 --set trainer_engine.eval_interval 5
         *parents, leaf = key.split(".")
         node = base
@@ -241,7 +247,9 @@ def main() -> int:
           f"global batch {parsed.global_batch_size} (GRPO groups of {parsed.agent.group_size}), "
           f"{parsed.max_steps} updates = {parsed.max_steps * parsed.global_batch_size} samples per mode, "
           f"staleness {parsed.staleness_threshold}, eval every {parsed.trainer_engine.eval_interval} updates on "
-          f"{parsed.trainer_engine.eval_episodes} held-out games")
+          f"{parsed.trainer_engine.eval_episodes} held-out games, learning rate {parsed.learning_rate:g}, "
+          + (f"LoRA rank {parsed.trainer_engine.lora.rank} scale {parsed.trainer_engine.lora.scale:g}"
+             if parsed.trainer_engine.lora else "full fine-tuning"))
     seeds = args.seeds if args.seeds is not None else (list(range(args.repeats)) if args.repeats > 1 else None)
     if seeds is not None:
         return repeated(args, base, seeds)
