@@ -208,6 +208,17 @@ def test_share_base_true_without_lora_is_refused_naming_the_field(ckpt, tmp_path
     assert not shared_base.enabled(_topo(ckpt, tmp_path))  # None on CPU: off
 
 
+def test_on_a_gpu_a_worker_shares_the_base_only_on_the_trainers_gpu(ckpt, tmp_path):
+    from areal_bus.config.topology import parse_topology
+
+    data = _topo(ckpt, tmp_path, device="cuda").model_dump(by_alias=True)
+    assert shared_base.shares(parse_topology(data), 0)  # auto on a GPU: rollout and trainer on cuda:0
+    data["rollout_workers"] = 2
+    data["nodes"] = {"rollout": {"gpus": [0, 1]}, "trainer": {"gpus": [0]}}
+    topo = parse_topology(data)
+    assert shared_base.shares(topo, 0) and not shared_base.shares(topo, 1)  # replica 1 holds its own copy
+
+
 # -- GPU: the same through CUDA IPC, trainer and engine in two processes ------------------------------
 
 _READER = r"""
@@ -239,7 +250,8 @@ def test_cuda_ipc_base_is_served_by_another_process_without_a_copy(tmp_path):
     shared = shared_base.publish(model, name, 11, ipc)
     want = float(model(torch.tensor([[1, 5, 9, 14, 3]], device="cuda")).float().sum())
     out = subprocess.run([sys.executable, "-c", _READER, str(ckpt), name, str(ipc)], capture_output=True, text=True,
-                         timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                         timeout=300, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
     assert out.returncode == 0, out.stderr[-3000:]
     words = out.stdout.split()
     held, mapped, got = int(words[words.index("HELD") + 1]), int(words[words.index("MAPPED") + 1]), \

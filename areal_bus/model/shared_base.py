@@ -200,9 +200,13 @@ def shares(topo, replica: int) -> bool:
         return False
     if not topo.model.device.startswith("cuda"):
         return True
-    own = placement.gpus_of(topo, "rollout", replica)
-    gpu = own[0] if own else (int(topo.model.device.split(":")[1]) if ":" in topo.model.device else 0)
-    return gpu == placement.publisher_gpu(topo)
+    return _gpu(topo, "rollout", replica, topo.model.device) == _gpu(topo, "trainer", 0, topo.trainer_device)
+
+
+def _gpu(topo, kind: str, replica: int, device: str) -> int:
+    """The GPU a program of ``kind`` runs on: its entry of nodes.<kind>.gpus, else the index of ``device``."""
+    own = placement.gpus_of(topo, kind, replica)
+    return own[0] if own else (int(device.split(":")[1]) if ":" in device else 0)
 
 
 def identity(path: str | Path, dtype: str) -> int:
