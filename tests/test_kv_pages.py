@@ -112,6 +112,10 @@ def test_a_request_that_cannot_get_pages_waits_and_finishes_later():
     engine.add_request(second)
     out = {c.request_id: c for c in engine.step()}
     assert engine.in_cache == 1 and "second" in engine.running_ids and engine.free_slots == 2
+    # the rollout node's telemetry says so: one decoding, one admitted but waiting for memory
+    from nodes.rollout.core import running_batch
+
+    assert running_batch(engine) == 1 and len(engine.running_ids) - running_batch(engine) == 1
     order = []
     while len(out) < 2:
         done = engine.step()

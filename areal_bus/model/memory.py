@@ -170,8 +170,10 @@ def trainer_budget(topo, cfg: ModelConfig, device: str, card_bytes: int | None) 
     keep = te.logit_grad_keep_gib
     if keep is None:
         keep = min(8.0, card_bytes / GIB / 10) if gpu and card_bytes else 8.0 if gpu else 1.0
-    out.add(f"chunked head: {te.logit_chunk_tokens} x {cfg.vocab_size} vocab x 8 B + logit_grad_keep_gib {keep:g}",
-            te.logit_chunk_tokens * cfg.vocab_size * 8 + keep * GIB)
+    # the kept logit gradients are a micro-batch's at most (2 B each), whatever the budget allows
+    kept = min(keep * GIB, tokens * cfg.vocab_size * 2)
+    out.add(f"chunked head: {te.logit_chunk_tokens} x {cfg.vocab_size} vocab x 8 B + kept logit gradients "
+            f"(logit_grad_keep_gib {keep:g}, a micro-batch's at most)", te.logit_chunk_tokens * cfg.vocab_size * 8 + kept)
     if gpu:
         out.add("CUDA context", CUDA_CONTEXT_BYTES)
     return out

@@ -89,9 +89,18 @@ class BatchSeries:
             return None
         self.next_at = now + self.every
         engine = core.engine
-        return {"t": round(time.time(), 3), "running": len(engine.running_ids), "free": int(engine.free_slots),
-                "waiting": len(core.waiting), "max_batch": self.max_batch, "version": int(engine.version),
-                "tokens": int(core.metrics.counters.get("tokens", 0))}
+        record = {"t": round(time.time(), 3), "running": running_batch(engine), "free": int(engine.free_slots),
+                  "waiting": len(core.waiting), "max_batch": self.max_batch, "version": int(engine.version),
+                  "tokens": int(core.metrics.counters.get("tokens", 0))}
+        if getattr(engine, "paged", False):  # admitted but waiting for KV pages, and preemptions so far
+            record.update(waiting_memory=len(engine.running_ids) - engine.in_cache, preemptions=engine.preemptions)
+        return record
+
+
+def running_batch(engine) -> int:
+    """Sequences decoding now: with a paged KV cache (rollout_engine.kv_tokens) those holding pages, not the
+    requests admitted to the engine that wait for memory (they count against max_batch, but do not run)."""
+    return engine.in_cache if getattr(engine, "paged", False) else len(engine.running_ids)
 
 
 class RolloutCore:
@@ -248,7 +257,7 @@ class RolloutCore:
             line = self.steplog.add(comp, self.engine.version)
             if line:
                 self.log.info("step", **line, version=self.engine.version)
-        self.metrics.gauge("running", len(self.engine.running_ids))
+        self.metrics.gauge("running", running_batch(self.engine))
         self.metrics.gauge("queue.waiting_version", len(self.waiting))
         return finished
 
