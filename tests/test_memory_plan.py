@@ -41,7 +41,7 @@ def _item(budget, start):
 
 
 def test_lora_on_one_card_shares_the_base_and_counts_what_each_holds(tmp_path):
-    plan = memory.make_plan(_topo(tmp_path))
+    plan = memory.make_plan(_topo(tmp_path, model={"share_base": True}))
     trainer, rollout = plan.budgets
     assert trainer.device == rollout.device == "127.0.0.1:gpu0" or trainer.device == rollout.device
     params = 8.19e9

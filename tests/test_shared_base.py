@@ -205,14 +205,14 @@ def test_share_base_true_without_lora_is_refused_naming_the_field(ckpt, tmp_path
     data["trainer_engine"].pop("lora")
     with pytest.raises(ValueError, match="model.share_base is true, but it needs trainer_engine.lora"):
         shared_base.shares(parse_topology(data), 0)
-    assert not shared_base.enabled(_topo(ckpt, tmp_path))  # None on CPU: off
+    assert not shared_base.enabled(_topo(ckpt, tmp_path))  # off unless asked for
 
 
 def test_on_a_gpu_a_worker_shares_the_base_only_on_the_trainers_gpu(ckpt, tmp_path):
     from areal_bus.config.topology import parse_topology
 
-    data = _topo(ckpt, tmp_path, device="cuda").model_dump(by_alias=True)
-    assert shared_base.shares(parse_topology(data), 0)  # auto on a GPU: rollout and trainer on cuda:0
+    data = _topo(ckpt, tmp_path, device="cuda", share_base=True).model_dump(by_alias=True)
+    assert shared_base.shares(parse_topology(data), 0)  # rollout and trainer on cuda:0
     data["rollout_workers"] = 2
     data["nodes"] = {"rollout": {"gpus": [0, 1]}, "trainer": {"gpus": [0]}}
     topo = parse_topology(data)

@@ -18,10 +18,10 @@ gradient sees the difference), the rollout model's too, and the engine's fused d
 rows of one buffer) where it would otherwise concatenate a second copy. One copy of the base on the card:
 what the trainer holds is what every engine reads.
 
-When: ``model.share_base`` True, or None (the default) and all of: trainer_engine.lora, the torch engines
-on both sides, one trainer process (train_workers 1), the trainer on model.device, and that device a GPU
-(``enabled``). On CPU it is opt-in (``share_base: true``): there it saves RAM, and CI tests the mechanism
-through it. A rollout replica on a host without shared memory with the trainer loads its own copy.
+When: ``model.share_base: true``, which needs all of: trainer_engine.lora, the torch engines on both sides,
+one trainer process (train_workers 1) and the trainer on model.device (``refusal`` names what is missing).
+Opt-in for now, on a GPU too (its CUDA IPC path is written and CPU-tested through the same code, but has not
+yet run on a GPU: ``enabled``); on CPU it saves RAM, and CI tests the mechanism through it. A rollout replica on a host without shared memory with the trainer loads its own copy.
 
 Order: a rollout worker that shares waits (``WAIT_S``) for the trainer to publish the base, which it does
 right after loading it; the buffer names the base (``identity``: model.path's files and model.dtype), so a
@@ -178,13 +178,10 @@ def refusal(topo) -> str | None:
 
 
 def enabled(topo) -> bool:
-    """Whether the run shares the base (model.share_base; None: automatically where it can, on a GPU)."""
-    want = getattr(topo.model, "share_base", False)
-    if want is False:
-        return False
-    if want is None:
-        return refusal(topo) is None and topo.model.device.startswith("cuda")
-    return True
+    """Whether the run shares the base: model.share_base true (opt-in for now, on a GPU too: its CUDA IPC path
+    has not yet run on a GPU; once measured there, the default is meant to turn it on wherever ``refusal``
+    finds nothing against it)."""
+    return bool(getattr(topo.model, "share_base", False))
 
 
 def shares(topo, replica: int) -> bool:

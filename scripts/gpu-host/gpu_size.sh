@@ -27,9 +27,9 @@
 #
 # The 8B run's memory plan (`areal-bus plan`, checked at node start), computed here for an 80 GB card: trainer
 # ~25 GiB (bf16 base 14 GB, LoRA state, activations at 8k-token micro-batches with checkpointing), rollout ~17 GiB
-# (base mapped from the trainer, model.share_base; dense KV 128 x 960 tokens, 16 GB): it fits.
+# (base mapped from the trainer, model.share_base true, set by the step; dense KV 128 x 960 tokens, 16 GB): it fits.
 # Knobs (environment): E2E8B_ARGS / E2E3B_ARGS (more bench/gpu_e2e.py arguments, after the defaults: e.g. the
-# paged KV cache, "--rollout-batch 256 --set rollout_engine.kv_tokens 131072", or "--set model.share_base false"),
+# paged KV cache, "--rollout-batch 256 --set rollout_engine.kv_tokens 131072", or "--set model.share_base false" for a copy of its own),
 # LEARN_ARGS (more bench/learning.py arguments for both pairs), LORA_LR (the LoRA pair's learning rate, 1e-4),
 # SWAP_ARGS, DECODE_ARGS. Logs go to $OUT (default gpu_logs): one per step, and gpu_mem.log (nvidia-smi every 20 s).
 set -uo pipefail
@@ -102,7 +102,8 @@ for s in "$@"; do
     e2e8b)
         need_bus || { failed="$failed e2e8b"; continue; }
         # shellcheck disable=SC2086
-        step e2e8b 540 python3 bench/gpu_e2e.py --shape 8b --lora 16 "${LONGTAIL[@]}" ${E2E8B_ARGS:-} ;;
+        step e2e8b 540 python3 bench/gpu_e2e.py --shape 8b --lora 16 "${LONGTAIL[@]}" --set model.share_base true \
+            ${E2E8B_ARGS:-} ;;
     e2e3b)
         need_bus || { failed="$failed e2e3b"; continue; }
         # shellcheck disable=SC2086
