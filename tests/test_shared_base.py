@@ -136,6 +136,10 @@ def test_rollout_engine_serves_the_trainers_base_without_a_copy_and_the_same_tok
         for k in want:
             assert got[k].output_ids.tolist() == want[k].output_ids.tolist(), k
             np.testing.assert_array_equal(got[k].logprobs, want[k].logprobs)
+        where = trainer.shared_base.where
+        trainer.close()  # the run's end: the base's segment goes with the trainer (the engine keeps its pages)
+        assert not os.path.exists(where) and engine.model.get_parameter("model.layers.0.self_attn.q_proj.weight")[0, 0] \
+            == saved
     finally:
         if trainer.shared_base is not None:
             trainer.shared_base.close()

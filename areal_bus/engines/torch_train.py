@@ -401,6 +401,8 @@ class TorchTrainEngine:
             self.dp.close()  # tell the other ranks to stop (mid-update, killasgroup stops them)
         if self.publisher is not None:
             self.publisher.close()
+        if getattr(self, "shared_base", None) is not None:  # the base's segment (CPU): the workers that map it keep their pages
+            self.shared_base.close()
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, folder: Path, version: int, consumed: list[str]) -> Path:
