@@ -307,6 +307,13 @@ QWEN_HEADS = TINY_QWEN2 | {"vocab_size": 2048, "hidden_size": 896, "intermediate
                                              ("sdpa", True), ("flash_varlen", True), ("auto", None)])
 def test_cuda_graph_bf16_logprobs_match_full_forward_as_closely_as_the_gather_path(attention, fuse):
     model = make_random_model(QWEN_HEADS, seed=0, device="cuda", dtype=torch.bfloat16)
+    graphs, gather = graphs_and_gather_error(model, attention, fuse)
+    assert graphs <= max(0.05, 2 * gather), (graphs, gather)
+
+
+def graphs_and_gather_error(model, attention, fuse) -> tuple[float, float]:
+    """The worst |logprob - a full forward's| over 12 long-tailed bf16 requests at temperature 1, decoded by the
+    CUDA-graph step and by the eager gather path (also used by tests/test_lora_decode.py)."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 2048, (int(n),), generator=gen).tolist()
                for n in torch.randint(1, 300, (12,), generator=gen)]
@@ -320,8 +327,7 @@ def test_cuda_graph_bf16_logprobs_match_full_forward_as_closely_as_the_gather_pa
         return max(float(np.abs(out[r.request_id].logprobs
                                 - _full_logprobs(model, r.prompt_ids, out[r.request_id], 1.0)).max()) for r in reqs)
 
-    graphs, gather = worst(True), worst(False)
-    assert graphs <= max(0.05, 2 * gather), (graphs, gather)
+    return worst(True), worst(False)
 
 
 def test_few_newcomers_wait_for_a_shared_prefill_and_still_match_running_alone():

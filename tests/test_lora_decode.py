@@ -14,7 +14,7 @@ import torch
 from areal_bus.engines.torch_engine import TorchRolloutEngine
 from areal_bus.model import adapters
 from areal_bus.model.modeling import make_random_model
-from tests.test_cuda_decode import QWEN_HEADS, SMALL, needs_cuda
+from tests.test_cuda_decode import QWEN_HEADS, SMALL, graphs_and_gather_error, needs_cuda
 from tests.test_torch_engine import PROMPTS, _full_logprobs, _model, _naive_greedy, _req, _run
 from tests.torch_threads import one_torch_thread_per_module  # noqa: F401 (autouse)
 
@@ -73,18 +73,5 @@ def test_cuda_graph_bf16_adapters_match_full_forward_as_closely_as_the_gather_pa
     model = adapters.attach(make_random_model(QWEN_HEADS, seed=0, device="cuda", dtype=torch.bfloat16),
                             TARGETS, 16, SCALE)
     adapters.load_weights(model, {k: v.to("cuda", torch.bfloat16) for k, v in _adapter(model, 3, 0.02).items()})
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 2048, (int(n),), generator=gen).tolist()
-               for n in torch.randint(1, 300, (12,), generator=gen)]
-    reqs = [_req(f"r{i}", p, 300, temperature=1.0) for i, p in enumerate(prompts)]
-
-    def worst(static):
-        engine = TorchRolloutEngine(model, max_batch=16, max_len=640, dtype=torch.bfloat16, device="cuda",
-                                    eos_token_ids=[], attention=attention, static_decode=static,
-                                    fuse_decode=fuse and static)
-        out = _run(engine, reqs)
-        return max(float(np.abs(out[r.request_id].logprobs
-                                - _full_logprobs(model, r.prompt_ids, out[r.request_id], 1.0)).max()) for r in reqs)
-
-    graphs, gather = worst(True), worst(False)
+    graphs, gather = graphs_and_gather_error(model, attention, fuse)
     assert graphs <= max(0.05, 2 * gather), (graphs, gather)

@@ -393,14 +393,18 @@ class StaticDecoder:
         return sorted(self._graphs)
 
     def refresh(self) -> None:
-        """Copy the model's q/k/v and gate/up weights into the fused ones (after a weight swap)."""
+        """Copy the model's q/k/v and gate/up weights into the fused ones (after a weight swap). With LoRA
+        adapters a swap writes the adapters alone (adapters.load_weights): the base, fixed for the run, is
+        not copied again."""
+        base = not adapters.adapted(self.model)
         with torch.inference_mode():
             for i, layer in enumerate(self.model.model.layers):
                 a, m = layer.self_attn, layer.mlp
-                shared_base.refill(self.w_qkv[i], [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-                if self.b_qkv[i] is not None:
-                    shared_base.refill(self.b_qkv[i], [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-                shared_base.refill(self.w_gate_up[i], [m.gate_proj.weight, m.up_proj.weight])
+                if base:
+                    torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], out=self.w_qkv[i])
+                    if self.b_qkv[i] is not None:
+                        torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], out=self.b_qkv[i])
+                    torch.cat([m.gate_proj.weight, m.up_proj.weight], out=self.w_gate_up[i])
                 adapters.refresh([a.q_proj, a.k_proj, a.v_proj], self.lora_qkv[i])
                 adapters.refresh([m.gate_proj, m.up_proj], self.lora_gate_up[i])
 

@@ -138,13 +138,6 @@ def fused_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def refill(fused: torch.Tensor, parts: list[torch.Tensor]) -> None:
-    """Copy ``parts`` into ``fused`` (after a weight swap) unless ``fused`` is their own memory already."""
-    if _consecutive(parts) and fused.data_ptr() == parts[0].data_ptr():
-        return
-    torch.cat(parts, out=fused)
-
-
 def _consecutive(parts: list[torch.Tensor]) -> bool:
     first = parts[0]
     if not all(p.is_contiguous() and p.dtype == first.dtype and p.device == first.device
