@@ -27,7 +27,9 @@ the same random float32 weights (a Hugging Face folder written once per shape).
             ``+nokeep`` trainer_engine.logit_grad_keep_gib 0 (the lm_head's logits recomputed in backward
             instead of their gradient kept from the forward), ``+chunk8k`` trainer_engine.logit_chunk_tokens
             8192 (4096 otherwise), ``+padN`` trainer_engine.micro_batch_pad_tokens N, ``+keepN``
-            trainer_engine.logit_grad_keep_gib N, ``+fa4`` trainer_engine.attn_implementation
+            trainer_engine.logit_grad_keep_gib N, ``+ckpt`` / ``+nockpt`` activation checkpointing on / off
+            (else --checkpointing), ``+microN`` micro-batches of N tokens (else --micro-tokens),
+            ``+fa4`` trainer_engine.attn_implementation
             areal_varlen_fa4 (FlashAttention-4's kernels; needs the flash-attn-4 package), ``+fa4whole``
             the same with its entry points run whole on every call (areal_bus.train.fa4_ops.FA4_REPLAY off);
             bench-only tries of inductor's settings with +compile: ``+cppwrap`` (cpp_wrapper), ``+combo``
@@ -189,17 +191,23 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
     trainer_engine.logit_chunk_tokens: 8192 (else 4096, the default), '+padN' (e.g. +pad256)
     trainer_engine.micro_batch_pad_tokens N (else --pad-tokens), '+keepN' trainer_engine.logit_grad_keep_gib
     N (GiB), '+fa4' trainer_engine.attn_implementation areal_varlen_fa4 (else --attn), '+fa4whole' the same
-    with fa4_ops.FA4_REPLAY off (set in this process: each path runs in one of its own)."""
+    with fa4_ops.FA4_REPLAY off (set in this process: each path runs in one of its own), '+ckpt' / '+nockpt'
+    trainer_engine.gradient_checkpointing on / off (else --checkpointing), '+microN' trainer_engine.micro_batch_tokens
+    N (else --micro-tokens): one invocation compares them on one random folder."""
     mp, *flags = variant.split("+")
     number = lambda prefix: {f: float(f[len(prefix):]) for f in flags
                              if f.startswith(prefix) and f[len(prefix):].replace(".", "", 1).isdigit()}
-    pad_flags, keep_flags, lora_flags = number("pad"), number("keep"), number("lora")
+    pad_flags, keep_flags, lora_flags, micro_flags = number("pad"), number("keep"), number("lora"), number("micro")
     pads, keeps = [int(n) for n in pad_flags.values()], list(keep_flags.values())
-    known = {"compile", "loglinear", "nokeep", "chunk8k", "fa4", "fa4whole", *INDUCTOR_FLAGS, "noguard", "gcfreeze"}
+    known = {"compile", "loglinear", "nokeep", "chunk8k", "fa4", "fa4whole", *INDUCTOR_FLAGS, "noguard", "gcfreeze",
+             "ckpt", "nockpt"}
     whole_pads = all(n.is_integer() for n in pad_flags.values())
-    if set(flags) - known - set(pad_flags) - set(keep_flags) - set(lora_flags) or len(pads) > 1 or len(keeps) > 1 \
-            or not whole_pads:
-        raise SystemExit(f"--paths: unknown flag in {variant!r} ({', '.join(sorted(known))}, padN, keepN, loraN)")
+    micros = [int(n) for n in micro_flags.values()]
+    if set(flags) - known - set(pad_flags) - set(keep_flags) - set(lora_flags) - set(micro_flags) or len(pads) > 1 \
+            or len(keeps) > 1 or len(micros) > 1 or not whole_pads or {"ckpt", "nockpt"} <= set(flags):
+        raise SystemExit(f"--paths: unknown flag in {variant!r} ({', '.join(sorted(known))}, padN, keepN, loraN, "
+                         f"microN)")
+    checkpointing = "ckpt" in flags or (args.checkpointing and "nockpt" not in flags)
     keep = 0 if "nokeep" in flags else (keeps[0] if keeps else None)
     if "fa4whole" in flags:
         from areal_bus.train import fa4_ops
@@ -217,9 +225,10 @@ def bench_topology(args, device, mini_batch: int, variant: str) -> SimpleNamespa
             kl_coef=0.0, ppo_epochs=1, eps_clip=0.2, eps_clip_high=None, behav_imp_weight_cap=5.0, grad_clip=1.0,
             adv_std_normalize=True, adv_leave_one_out=False,
             attn_implementation=VARLEN_FA4 if {"fa4", "fa4whole"} & set(flags) else args.attn,
-            micro_batch_tokens=args.micro_tokens, logit_chunk_tokens=8192 if "chunk8k" in flags else 4096,
+            micro_batch_tokens=micros[0] if micros else args.micro_tokens,
+            logit_chunk_tokens=8192 if "chunk8k" in flags else 4096,
             micro_batch_pad_tokens=pads[0] if pads else args.pad_tokens, prox_logp_method=prox,
-            logit_grad_keep_gib=keep, gradient_checkpointing=args.checkpointing,
+            logit_grad_keep_gib=keep, gradient_checkpointing=checkpointing,
             mixed_precision=mp or "compute_copy", compile="compile" in flags, eval_interval=0,
             lora=LoraConfig(rank=args.lora, alpha=2 * args.lora) if args.lora else None)}),
         model=SimpleNamespace(device=str(device), dtype="bfloat16" if device.type == "cuda" else args.cpu_dtype,

@@ -3,6 +3,12 @@
 # device calls of at most ~9 minutes, each running this script with its steps (any order, any subset):
 #
 #   step    what it runs                                                                         expected
+#   tests   the GPU tests of the shared base, the paged KV cache, sharded publish, CUDA weights,   ~2 min
+#           the CUDA-graph decode and LoRA decode (pytest -m gpu); run first: e2e8b builds on them
+#   trainer bench/trainer.py: Qwen2.5-3B full fine-tuning (the same-call baseline), then the       ~5 min
+#           Llama-3.1-8B shape with LoRA r16 as measured first (checkpointing, 8k micro-batches)
+#           and the tries for issue 51's 10k tokens/s: no checkpointing at 4k and 8k micro-batches,
+#           checkpointing at 16k micro-batches with +compile
 #   swap    bench/lora_swap.py: publish -> first token of the new version in the torch engine,  ~3 min
 #           the LoRA adapter (r 16, 64) beside the full weights, 0.5B and 1.5B shapes
 #   decode  bench/engine.py --shape 8b --no-hf --batches 64 256 --rows engine --profile: the      ~2.5 min
@@ -68,13 +74,24 @@ step() {  # step NAME SECONDS COMMAND...: one step, its log, its time
     [ "$rc" = 0 ] || failed="$failed $name"
 }
 failed=
-[ $# -gt 0 ] || { echo "steps: swap decode learn e2e8b e2e3b (see the header)"; exit 2; }
+[ $# -gt 0 ] || { echo "steps: tests trainer swap decode learn e2e8b e2e3b (see the header)"; exit 2; }
 # The long tail scaled to fit a 10-minute call at 8B (bench/gpu_e2e.py's defaults are median 500, 200..3,000).
 LONGTAIL=(--workload longtail --batch 64 --group-size 8 --agents 2 --steps 7 --skip 2 --median 200 --sigma 0.8
           --min-len 64 --max-len 800 --rollout-batch 128 --runs sync async:2:true --timeout 300
           --set trainer_engine.gradient_checkpointing true --set trainer_engine.micro_batch_tokens 8192)
 for s in "$@"; do
     case $s in
+    tests)
+        step tests 240 python3 -m pytest -q --noconftest -p no:cacheprovider -m gpu --tb=short tests/test_shared_base.py \
+            tests/test_kv_pages.py tests/test_sharded_publish.py tests/test_weights_cuda.py tests/test_cuda_decode.py \
+            tests/test_lora_decode.py ;;
+    trainer)
+        T=(python3 bench/trainer.py --steps 2 --warmup 1)
+        step trainer_3b 150 "${T[@]}" --shapes 3b --paths engine:compute_copy --checkpointing --micro-tokens 8192 \
+            --weights-dtype bfloat16
+        step trainer_8b 420 "${T[@]}" --shapes 8b --paths engine:autocast+lora16+ckpt+micro8192,\
+engine:autocast+lora16+nockpt+micro4096,engine:autocast+lora16+nockpt+micro8192,\
+engine:autocast+lora16+compile+ckpt+micro16384 ;;
     swap)
         # shellcheck disable=SC2086
         step swap 260 python3 bench/lora_swap.py ${SWAP_ARGS:-} ;;
@@ -111,7 +128,7 @@ for s in "$@"; do
         # shellcheck disable=SC2086
         step e2e3b_lora 270 python3 bench/gpu_e2e.py --shape 3b --lora 16 "${LONGTAIL[@]}" ${E2E3B_ARGS:-} ;;
     *)
-        echo "unknown step $s (swap decode learn e2e8b e2e3b)"; failed="$failed $s" ;;
+        echo "unknown step $s (tests trainer swap decode learn e2e8b e2e3b)"; failed="$failed $s" ;;
     esac
 done
 grep -h "^RESULT" "$OUT"/*.log 2>/dev/null
