@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from areal_bus.engines.cuda_decode import decode_choices
-from areal_bus.engines.kv_pages import PagedKVCache
+from areal_bus.engines.kv_pages import PagedKVCache, paged_kernel
 from areal_bus.engines.torch_engine import TorchRolloutEngine
 from areal_bus.model import adapters
 from areal_bus.model.modeling import KVCache, make_random_model, save_pretrained
@@ -230,8 +230,10 @@ def test_cuda_graphs_over_pages_match_the_dense_graphs_in_float32():
 @needs_cuda
 def test_the_default_paged_decode_in_bfloat16_is_flash_paged_and_as_close_to_a_full_forward_as_the_dense_one():
     """At the 0.5B attention shape in bfloat16 with pages of 256: 'auto' picks FlashAttention's paged kernel
-    (fused, graphs); with a pool of 3 max_len sequences for 16 slots it preempts, and its log-probabilities
-    are as close to a full forward's as the dense default's (flash_varlen) are."""
+    (fused, graphs) where this torch or the flash-attn package has one, else the gathered sdpa step (the GPU
+    host's torch 2.11 has neither: it ran that fallback on 2026-12-06); with a pool of 3 max_len sequences
+    for 16 slots it preempts, and its log-probabilities are as close to a full forward's as the dense
+    default's (flash_varlen) are."""
     model = make_random_model(QWEN_HEADS, seed=0, device="cuda", dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 2048, (int(n),), generator=gen).tolist()
@@ -247,7 +249,8 @@ def test_the_default_paged_decode_in_bfloat16_is_flash_paged_and_as_close_to_a_f
 
     dense, _, dense_worst = worst()
     paged, peak, paged_worst = worst(kv_tokens=3 * 768)
-    assert dense.fast.attention == "flash_varlen" and paged.fast.attention == "flash_paged" and paged.fast.graphs
+    want = "flash_paged" if paged_kernel() else "sdpa"
+    assert dense.fast.attention == "flash_varlen" and paged.fast.attention == want and paged.fast.graphs
     assert paged.preemptions >= 1 and peak > 3
     assert paged_worst <= max(0.05, 2 * dense_worst), (paged_worst, dense_worst)
 

@@ -316,6 +316,8 @@ def _try_open(name: str, ident: int, want: Layout, device: torch.device, ipc_dir
             return f"{path} is another base's (an earlier run's?)"
         _check_layout(Layout.from_manifest(doc["manifest"]), want)
         buf = open_handle(doc["buffer"])
+        if device.index is None:  # "cuda": this process's current GPU
+            device = torch.device("cuda", torch.cuda.current_device())
         if buf.device != device:
             raise WeightShmError(f"model.share_base: the trainer's base is on {buf.device}, this engine on {device}")
         return layout_views(want, buf)

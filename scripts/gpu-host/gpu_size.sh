@@ -34,7 +34,7 @@
 # The 8B run's memory plan (`areal-bus plan`, checked at node start), computed here for an 80 GB card: trainer
 # ~25 GiB (bf16 base 14 GB, LoRA state, activations at 8k-token micro-batches with checkpointing), rollout ~17 GiB
 # (base mapped from the trainer, model.share_base true, set by the step; dense KV 128 x 960 tokens, 16 GB): it fits.
-# Knobs (environment): E2E8B_ARGS / E2E3B_ARGS (more bench/gpu_e2e.py arguments, after the defaults: e.g. the
+# Knobs (environment): TESTS (the tests step's pytest paths or ids, instead of its six files), E2E8B_ARGS / E2E3B_ARGS (more bench/gpu_e2e.py arguments, after the defaults: e.g. the
 # paged KV cache, "--rollout-batch 256 --set rollout_engine.kv_tokens 131072", or "--set model.share_base false" for a copy of its own),
 # LEARN_ARGS (more bench/learning.py arguments for both pairs), LORA_LR (the LoRA pair's learning rate, 1e-4),
 # SWAP_ARGS, DECODE_ARGS. Logs go to $OUT (default gpu_logs): one per step, and gpu_mem.log (nvidia-smi every 20 s).
@@ -82,9 +82,10 @@ LONGTAIL=(--workload longtail --batch 64 --group-size 8 --agents 2 --steps 7 --s
 for s in "$@"; do
     case $s in
     tests)
-        step tests 240 python3 -m pytest -q --noconftest -p no:cacheprovider -m gpu --tb=short tests/test_shared_base.py \
+        # shellcheck disable=SC2086
+        step tests 240 python3 -m pytest -q --noconftest -p no:cacheprovider -m gpu --tb=short ${TESTS:-tests/test_shared_base.py \
             tests/test_kv_pages.py tests/test_sharded_publish.py tests/test_weights_cuda.py tests/test_cuda_decode.py \
-            tests/test_lora_decode.py ;;
+            tests/test_lora_decode.py} ;;
     trainer)
         T=(python3 bench/trainer.py --steps 2 --warmup 1)
         step trainer_3b 150 "${T[@]}" --shapes 3b --paths engine:compute_copy --checkpointing --micro-tokens 8192 \
