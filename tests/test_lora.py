@@ -271,12 +271,6 @@ def test_lm_head_as_a_target_is_refused_naming_the_field(tmp_path, monkeypatch, 
     assert status == 2 and "trainer_engine.lora: Value error, target_modules: 'lm_head' cannot take an adapter" in err
 
 
-def test_lora_with_vllm_rollout_is_refused_naming_the_field():
-    with pytest.raises(TopologyError, match=r"trainer_engine.lora: rollout_engine.kind 'vllm' cannot serve LoRA"):
-        parse_topology({"model": {"device": "cuda"}, "agent": {"framework": "guess"},
-                        "rollout_engine": {"kind": "vllm"}, "trainer_engine": {"kind": "torch", "lora": LORA}})
-
-
 def test_lora_with_tensor_parallel_is_refused_naming_the_field():
     with pytest.raises(TopologyError, match=r"trainer_engine.lora with parallelism.tp 2"):
         parse_topology({"train_workers": 2, "parallelism": {"tp": 2}, "agent": {"framework": "guess"},

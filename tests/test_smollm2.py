@@ -253,10 +253,10 @@ def test_the_trainers_weight_set_matches_the_folder_as_the_vllm_engine_checks_it
     """vLLM cannot run here (tests/test_vllm_engine.py); what can is the check its weight loader makes
     before a swap: the weights the trainer publishes have the names and shapes of the served folder
     (the tied lm_head left out: the embedding stands for it)."""
-    from areal_bus.engines import vllm_engine as ve
+    from areal_bus.engines import vllm_worker as vw
     from areal_bus.train.train_model import export_state_dict, load_policy
 
     policy = load_policy(smollm2_dir)
     published = export_state_dict(policy.state_dict(), policy.config, "bfloat16")
     assert "lm_head.weight" not in published and len(published) == 272  # 30 x 9 + embedding + final norm
-    ve.check_layout({k: tuple(v.shape) for k, v in published.items()}, ve.checkpoint_shapes(smollm2_dir), tied=True)
+    vw.check_layout({k: tuple(v.shape) for k, v in published.items()}, vw.checkpoint_shapes(smollm2_dir), tied=True)

@@ -23,6 +23,7 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from areal_bus.engines import vllm_engine as ve
+from areal_bus.engines import vllm_worker as vw
 from areal_bus.wire.messages import GenerateRequest
 from areal_bus.config.topology import TopologyError, parse_topology
 from areal_bus.weights.shm import ShmWeightWriter, segment_path
@@ -188,7 +189,7 @@ def test_engine_arguments_pin_what_exact_tags_and_logprobs_need():
     assert off["enable_prefix_caching"] is False and off["skip_tokenizer_init"] is True
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["generation_config"] == "vllm"
     module, name = kw["worker_extension_cls"].rsplit(".", 1)
-    assert getattr(importlib.import_module(module), name) is ve.WeightLoadExtension
+    assert getattr(importlib.import_module(module), name) is vw.WeightLoadExtension
 
 
 def test_the_cache_salt_names_the_weights_loaded_so_no_prefix_is_shared_across_a_swap():
@@ -223,7 +224,7 @@ def test_checkpoint_shapes_come_from_the_safetensors_headers(tmp_path):
 
     save_file({"a.weight": torch.zeros(3, 4), "b": torch.zeros(5)}, str(tmp_path / "model-1.safetensors"))
     save_file({"c": torch.zeros(2, 2, 2, dtype=torch.bfloat16)}, str(tmp_path / "model-2.safetensors"))
-    assert ve.checkpoint_shapes(tmp_path) == {"a.weight": (3, 4), "b": (5,), "c": (2, 2, 2)}
+    assert vw.checkpoint_shapes(tmp_path) == {"a.weight": (3, 4), "b": (5,), "c": (2, 2, 2)}
 
 
 def test_the_shipped_checkpoint_matches_its_own_layout():
@@ -231,21 +232,21 @@ def test_the_shipped_checkpoint_matches_its_own_layout():
 
     model = load_pretrained(TINY)
     got = {k: tuple(v.shape) for k, v in model.named_parameters()}  # what the trainer publishes
-    ve.check_layout(got, ve.checkpoint_shapes(TINY), tied=model.cfg.tie_word_embeddings)
+    vw.check_layout(got, vw.checkpoint_shapes(TINY), tied=model.cfg.tie_word_embeddings)
 
 
 def test_a_weight_set_that_differs_from_the_checkpoint_is_refused_before_loading():
     expected = {"embed.weight": (10, 4), "lm_head.weight": (10, 4), "x.rotary_emb.inv_freq": (2,), "w": (4, 4)}
-    ve.check_layout({"embed.weight": (10, 4), "w": (4, 4)}, expected, tied=True)  # tied head, rotary buffer: fine
+    vw.check_layout({"embed.weight": (10, 4), "w": (4, 4)}, expected, tied=True)  # tied head, rotary buffer: fine
     with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]"):
-        ve.check_layout({"embed.weight": (10, 4), "w": (4, 4)}, expected, tied=False)
+        vw.check_layout({"embed.weight": (10, 4), "w": (4, 4)}, expected, tied=False)
     with pytest.raises(ValueError, match=r"unknown \['v'\]; wrong shape \['w'\]"):
-        ve.check_layout({"embed.weight": (10, 4), "w": (4, 5), "v": (1,)}, expected, tied=True)
+        vw.check_layout({"embed.weight": (10, 4), "w": (4, 5), "v": (1,)}, expected, tied=True)
 
 
 def test_cuda_handles_are_moved_to_this_process_device_index():
     handles = {"format": 1, "name": "p", "manifest": "{}", "buffers": [{"device": 3, "size": 8}, {"device": 3, "size": 8}]}
-    moved = ve.handles_on_device(handles, 0)
+    moved = vw.handles_on_device(handles, 0)
     assert [b["device"] for b in moved["buffers"]] == [0, 0] and moved["buffers"][0]["size"] == 8
     assert handles["buffers"][0]["device"] == 3  # the caller's dict is left alone
 
@@ -255,12 +256,12 @@ def test_cuda_handles_are_read_again_only_when_the_trainer_rewrites_them(tmp_pat
 
     path = tmp_path / "policy.cuda-handles"
     save_handles(path, {"format": 1, "name": "policy", "buffers": []})
-    stamp, handles = ve.changed_handles(path, None)
+    stamp, handles = vw.changed_handles(path, None)
     assert handles == {"format": 1, "name": "policy", "buffers": []}
-    assert ve.changed_handles(path, stamp) == (stamp, None)
+    assert vw.changed_handles(path, stamp) == (stamp, None)
     save_handles(path, {"format": 1, "name": "policy2", "buffers": []})  # a restarted trainer
     os.utime(path, ns=(stamp + 1, stamp + 1))  # a distinct mtime even on a coarse clock
-    assert ve.changed_handles(path, stamp)[1]["name"] == "policy2"
+    assert vw.changed_handles(path, stamp)[1]["name"] == "policy2"
 
 
 @pytest.fixture
@@ -279,7 +280,7 @@ def test_a_shared_memory_version_reaches_load_weights_whole_and_is_let_go_after(
     expected = {"embed.weight": [10, 4], "lm_head.weight": [10, 4], "w": [4, 4]}
     with ShmWeightWriter(shm_name, state, copy_threads=1) as writer:
         location = writer.write(state, version=5)
-        feed = ve.WeightFeed(expected, tied=True)
+        feed = vw.WeightFeed(expected, tied=True)
         feed.attach({"kind": "shm", "name": shm_name})
         items = feed.items(location)
         assert [k for k, _ in items] == ["embed.weight", "w"]
@@ -290,7 +291,7 @@ def test_a_shared_memory_version_reaches_load_weights_whole_and_is_let_go_after(
 
 
 def test_a_location_without_its_source_attached_names_the_fix():
-    feed = ve.WeightFeed({}, tied=False)
+    feed = vw.WeightFeed({}, tied=False)
     with pytest.raises(ValueError, match=r"no cuda weight source attached.*attach_weights"):
         feed.items("cuda:policy.0@3")
     with pytest.raises(ValueError, match="unknown weight source kind"):

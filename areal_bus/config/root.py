@@ -162,11 +162,21 @@ class Topology(Strict):
         return self
 
     def _lora_served(self) -> None:
-        """trainer_engine.lora needs a layout that trains adapters and a rollout engine that serves them."""
-        if self.rollout_engine.kind != "torch":
-            raise ValueError(f"trainer_engine.lora: rollout_engine.kind {self.rollout_engine.kind!r} cannot serve "
-                             f"LoRA adapters yet (only the torch engine adds them to its base unmerged): set "
-                             f"rollout_engine.kind 'torch', or leave trainer_engine.lora out (full fine-tuning)")
+        """trainer_engine.lora needs a layout that trains adapters and a rollout engine that serves them: the
+        torch engine adds them to its base unmerged; the vLLM engine through vLLM's own LoRA layers, which
+        hold a rank up to vLLM's largest max_lora_rank and run in bfloat16 or float16 only."""
+        if self.rollout_engine.kind == "vllm":
+            from areal_bus.engines.vllm_worker import VLLM_LORA_RANKS  # lazy: only a vLLM topology needs it
+
+            rank = self.trainer_engine.lora.rank
+            if rank > VLLM_LORA_RANKS[-1]:
+                raise ValueError(f"trainer_engine.lora.rank {rank}: rollout_engine.kind 'vllm' serves adapters of rank "
+                                 f"{VLLM_LORA_RANKS[-1]} at most (vLLM's max_lora_rank): lower the rank, or set "
+                                 f"rollout_engine.kind 'torch'")
+            if self.model.dtype not in ("bfloat16", "float16"):
+                raise ValueError(f"trainer_engine.lora with rollout_engine.kind 'vllm': vLLM's LoRA kernels take "
+                                 f"bfloat16 or float16, and model.dtype is {self.model.dtype!r}: set model.dtype "
+                                 f"bfloat16, or rollout_engine.kind 'torch'")
         if self.parallelism.tp > 1:
             raise ValueError(f"trainer_engine.lora with parallelism.tp {self.parallelism.tp}: tensor parallelism "
                              f"does not split the adapters; use data parallelism (train_workers with tp 1), or "

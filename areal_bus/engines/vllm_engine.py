@@ -7,7 +7,8 @@ of tests/test_vllm_engine.py pass (logprobs against the trainer's recompute, a s
 prefix cache and its salt, a CUDA IPC swap from another process), and bench/engine.py --vllm and
 bench/gpu_e2e.py --engine vllm measured it beside the torch engine (bench/RESULTS.md). The pure parts
 below (request to sampling parameters, outputs to completions, version tags, engine arguments, weight
-names and buffers) are also tested without vLLM, where CI runs.
+names and buffers) are also tested without vLLM, where CI runs. Serving LoRA adapters (the LoRA item
+below) is written against vLLM 0.25.1's source and has not yet run on a GPU.
 
 How it maps onto vLLM (v1 engine; written for vLLM >= 0.10.2, run on 0.25.1):
 
@@ -60,6 +61,9 @@ How it maps onto vLLM (v1 engine; written for vLLM >= 0.10.2, run on 0.25.1):
   and the request's integer stops; the eos ids left out for a request with ``ignore_eos``), and vLLM's generation_config defaults are not loaded
   (``generation_config="vllm"``): the request alone says how to sample, as with the torch engine. The
   stop token is part of the output, as there.
+- LoRA (``trainer_engine.lora``): vLLM's own LoRA layers serve the adapter, replaced in place from
+  memory at each swap: areal_bus/engines/vllm_worker.py says how. Written against vLLM 0.25.1's source;
+  NOT yet run on a GPU.
 
 Limits: one GPU (no tensor parallelism), the first one the process sees (choose it with
 ``CUDA_VISIBLE_DEVICES``); the model families vLLM and ``modeling`` both know (Qwen2, Llama).
@@ -68,9 +72,7 @@ Limits: one GPU (no tensor parallelism), the first one the process sees (choose 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import struct
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -78,11 +80,15 @@ from pathlib import Path
 
 import numpy as np
 
+from areal_bus.engines.vllm_worker import (
+    LORA_ARGS, adapter_shapes, changed_handles, check_held, checkpoint_shapes, lora_engine_args, lora_request,
+    lora_spec,
+)
 from areal_bus.wire.messages import Completion, GenerateRequest, no_top_ids, no_top_logprobs
 
 INSTALL_HINT = "pip install 'areal-bus[vllm]'"
 
-EXTENSION_CLS = "areal_bus.engines.vllm_engine.WeightLoadExtension"
+EXTENSION_CLS = "areal_bus.engines.vllm_worker.WeightLoadExtension"
 """Fully qualified name vLLM imports and mixes into its worker class (``worker_extension_cls``)."""
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.5
@@ -219,12 +225,13 @@ def absorb_outputs(running: dict[str, Generation], outputs, version: int, worker
 
 def engine_kwargs(model_path: str | Path, *, max_batch: int, max_len: int, dtype: str, seed: int,
                   gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, prefix_caching: bool = True,
-                  skip_tokenizer_init: bool = False) -> dict:
+                  skip_tokenizer_init: bool = False, lora: Mapping | None = None) -> dict:
     """``vllm.EngineArgs`` keyword arguments: the model, our limits, and what exact tags need.
 
     ``skip_tokenizer_init``: vLLM loads no tokenizer (prompts are token ids and nothing is detokenized
-    here; a checkpoint with random weights and no tokenizer files can be served)."""
-    return {
+    here; a checkpoint with random weights and no tokenizer files can be served). ``lora``: ``lora_spec``
+    of trainer_engine.lora, to serve its adapters (one at a time: every request names the same one)."""
+    return lora_engine_args(lora) | {
         "model": str(model_path), "dtype": dtype, "seed": seed,
         "max_model_len": max_len, "max_num_seqs": max_batch, "gpu_memory_utilization": gpu_memory_utilization,
         # Each request carries its weights' cache salt (VllmRolloutEngine.add_request), so a prefix is
@@ -245,9 +252,10 @@ def fit_engine_args(kwargs: dict, known: Iterable[str]) -> dict:
     dropped (vLLMs that predate it behave as asked: no asynchronous scheduling, streaming every step);
     a missing required one means a vLLM too old for exact tags, and is an error."""
     known = set(known)
-    missing = sorted(_REQUIRED_ARGS & (set(kwargs) - known))
+    missing = sorted((_REQUIRED_ARGS | LORA_ARGS) & (set(kwargs) - known))
     if missing:
-        raise RuntimeError(f"this vLLM's EngineArgs lacks {', '.join(missing)}: vLLM >= 0.10.2 is needed "
+        need = "0.25.1 (its LoRA arguments)" if set(missing) & LORA_ARGS else ">= 0.10.2"
+        raise RuntimeError(f"this vLLM's EngineArgs lacks {', '.join(missing)}: vLLM {need} is needed "
                            f"({INSTALL_HINT})")
     return {k: v for k, v in kwargs.items() if k in known}
 
@@ -269,140 +277,6 @@ def served_facts(model_path: str | Path) -> tuple[bool, list[int]]:
 def eos_ids(eos) -> list[int]:
     """A config's ``eos_token_id`` (None, an int or a list) as a list."""
     return [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
-
-
-# -- weights (pure of vLLM: these run inside vLLM's worker) ------------------------------------------
-
-
-def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in a checkpoint folder's ``*.safetensors``, from the file headers
-    (an 8-byte little-endian length, then JSON), without reading any tensor."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
-    shapes = {}
-    for f in files:
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        shapes |= {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
-    return shapes
-
-
-def check_layout(got: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], tied: bool) -> None:
-    """Raise ValueError naming what differs between a published weight set and the checkpoint vLLM
-    loaded. Checked before any tensor is copied: a wrong weight set must not half-swap the model.
-
-    Our names are Hugging Face's, which is what vLLM's ``load_weights`` takes (it fuses q/k/v and
-    gate/up itself). A tied ``lm_head`` is the embedding (vLLM skips it); ``rotary_emb.inv_freq`` in
-    old checkpoints is not a weight."""
-    def norm(d):
-        return {k: tuple(v) for k, v in d.items()
-                if "rotary_emb.inv_freq" not in k and not (tied and k == "lm_head.weight")}
-
-    got, expected = norm(got), norm(expected)
-    missing, unknown = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
-    wrong = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])
-    if missing or unknown or wrong:
-        parts = [f"{what} {names[:5]}{' ...' if len(names) > 5 else ''}"
-                 for what, names in (("missing", missing), ("unknown", unknown), ("wrong shape", wrong)) if names]
-        raise ValueError("weight set does not match the served checkpoint: " + "; ".join(parts))
-
-
-def weight_items(views: Mapping, tied: bool) -> list[tuple[str, object]]:
-    """``(name, tensor)`` pairs for ``load_weights``, in the publisher's order."""
-    return [(k, t) for k, t in views.items() if not (tied and k == "lm_head.weight")]
-
-
-def handles_on_device(handles: Mapping, index: int) -> dict:
-    """``weights_cuda`` handles with every buffer's device replaced by ``index``, this process's index of
-    the same GPU: processes with different CUDA_VISIBLE_DEVICES number it differently (vLLM's
-    rlhf_utils.rebuild_ipc makes the same substitution)."""
-    return {**handles, "buffers": [{**b, "device": int(index)} for b in handles["buffers"]]}
-
-
-def changed_handles(path: str | Path, stamp: int | None) -> tuple[int, dict | None]:
-    """The trainer's CUDA handles file (``weights_cuda.save_handles``) if it changed since ``stamp``
-    (its mtime in ns when last read), else None; and its current stamp."""
-    # lazy (here and below): this module imports without torch, as a host without vLLM reads it; the
-    # weight readers import torch
-    from areal_bus.weights.cuda import load_handles
-
-    now = Path(path).stat().st_mtime_ns
-    return now, (None if now == stamp else load_handles(path))
-
-
-class WeightFeed:
-    """Where published weights come from, inside vLLM's worker: the run's shared-memory buffers, or a
-    trainer's CUDA IPC buffers (opened once; ``weights_cuda``). ``items(location)`` gives the tensors of
-    one version, checked against the checkpoint; ``done(location)`` lets the version go once copied."""
-
-    def __init__(self, expected: Mapping[str, Iterable[int]], tied: bool):
-        self.expected = {k: tuple(v) for k, v in expected.items()}
-        self.tied = tied
-        self.shm = None  # ShmWeightReader
-        self.cuda = None  # CudaWeightReader
-
-    def attach(self, source: Mapping, device_index: int | None = None) -> None:
-        """``{"kind": "shm", "name": <weight set>}`` or ``{"kind": "cuda", "handles": <CudaWeightWriter.handles()>}``."""
-        kind = source.get("kind")
-        if kind == "shm":
-            from areal_bus.weights.shm import ShmWeightReader  # lazy: torch (see changed_handles)
-            self.shm = ShmWeightReader(source["name"])
-        elif kind == "cuda":
-            from areal_bus.weights.cuda import CudaWeightReader  # lazy: torch (see changed_handles)
-            handles = source["handles"]
-            if self.cuda is not None:  # a restarted trainer exported new buffers: the old ones are gone
-                self.cuda.close()
-            self.cuda = CudaWeightReader(handles if device_index is None else handles_on_device(handles, device_index))
-        else:
-            raise ValueError(f"unknown weight source kind {kind!r} (shm or cuda)")
-
-    def _reader(self, location: str):
-        scheme = location.split(":", 1)[0]
-        reader = {"shm": self.shm, "cuda": self.cuda}.get(scheme)
-        if reader is None:
-            raise ValueError(f"no {scheme} weight source attached for {location!r}: "
-                             f"attach_weights({{'kind': '{scheme}', ...}}) first")
-        return reader
-
-    def items(self, location: str) -> list[tuple[str, object]]:
-        views = self._reader(location).open(location)
-        check_layout({k: tuple(t.shape) for k, t in views.items()}, self.expected, self.tied)
-        return weight_items(views, self.tied)
-
-    def done(self, location: str) -> None:
-        reader = self._reader(location)
-        if reader is self.shm:  # copied into vLLM's parameters: this worker no longer needs the buffer
-            reader.release(int(location.rsplit("@", 1)[1]))
-
-
-class WeightLoadExtension:
-    """Mixed into vLLM's worker class by ``worker_extension_cls``; called through ``collective_rpc``.
-    ``self.model_runner`` and ``self.device`` are the worker's (as in vLLM's rlhf_utils examples)."""
-
-    def areal_bus_attach(self, source: dict, expected: dict, tied: bool) -> None:
-        feed = getattr(self, "_areal_bus_feed", None)
-        if feed is None:
-            feed = self._areal_bus_feed = WeightFeed(expected, tied)
-        feed.attach(source, getattr(getattr(self, "device", None), "index", None))
-
-    def areal_bus_load(self, location: str) -> int:
-        import torch
-
-        feed = self._areal_bus_feed
-        items = feed.items(location)
-        model = self.model_runner.model
-        model.load_weights(weights=items)
-        try:  # vLLM's RLHF example runs it after every update (little to do for unquantized weights)
-            from vllm.model_executor.model_loader.utils import process_weights_after_loading
-        except ImportError:  # older vLLM: load_weights alone is the whole update
-            pass
-        else:
-            process_weights_after_loading(model, self.model_config, self.device)
-        torch.cuda.synchronize()  # the copies are done: the source buffer may be reused once we ack
-        feed.done(location)
-        return len(items)
 
 
 # -- the engine --------------------------------------------------------------------------------------
@@ -450,13 +324,14 @@ class VllmRolloutEngine:
     ``weights``: where published versions come from (``WeightFeed.attach``); more can be attached
     later with ``attach_weights``. ``cuda_handles_file``: where a trainer with CUDA buffers leaves their
     handles (``weights_cuda.handles_path``); read at the first ``cuda:`` location and again whenever it
-    changes."""
+    changes. ``lora``: trainer_engine.lora (a ``LoraConfig``), when every version is an adapter on the
+    checkpoint's weights (module docstring)."""
 
     def __init__(self, model_path: str | Path, *, max_batch: int = 16, max_len: int = 2048, dtype: str = "bfloat16",
                  seed: int = 0, worker: str = "rollout", version: int = 0, eos_token_ids: list[int] | None = None,
                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, weights: Mapping | None = None,
                  cuda_handles_file: str | Path | None = None, prefix_caching: bool = True,
-                 skip_tokenizer_init: bool = False):
+                 skip_tokenizer_init: bool = False, lora=None):
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -470,13 +345,23 @@ class VllmRolloutEngine:
         self.skip_tokenizer_init = skip_tokenizer_init
         self.tied, eos = served_facts(model_path)
         self.eos_token_ids = eos if eos_token_ids is None else [int(t) for t in eos_token_ids]
-        self.expected = {k: list(v) for k, v in checkpoint_shapes(model_path).items()}
+        self.lora = lora_spec(lora)
+        shapes = checkpoint_shapes(model_path)
+        if self.lora is not None:  # every version is an adapter of these shapes
+            shapes = adapter_shapes(shapes, self.lora["target_modules"], self.lora["rank"])
+        self.expected = {k: list(v) for k, v in shapes.items()}
         self.max_batch, self.max_len, self.worker, self.version = max_batch, max_len, worker, version
         kwargs = engine_kwargs(model_path, max_batch=max_batch, max_len=max_len, dtype=dtype, seed=seed,
                                gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching,
-                               skip_tokenizer_init=skip_tokenizer_init)
+                               skip_tokenizer_init=skip_tokenizer_init, lora=self.lora)
         args = fit_engine_args(kwargs, (f.name for f in dataclasses.fields(vllm.EngineArgs)))
         self.llm = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**args))
+        self._lora_request = None
+        if self.lora is not None:
+            # Registered (the zero adapter) before the first request names it: vLLM never looks at the path.
+            self.llm.collective_rpc("areal_bus_serve_lora", args=(self.lora, self.expected))
+            check_held(self.llm)
+            self._lora_request = lora_request()
         self.steps = 0
         self.weights_loaded = 0  # swaps so far: the cache salt of the weights in force (cache_salt)
         self.prefill = PrefillStats()
@@ -489,7 +374,8 @@ class VllmRolloutEngine:
     def attach_weights(self, source: Mapping) -> None:
         """Open a weight source in vLLM's worker: ``{"kind": "shm", "name": ...}`` or
         ``{"kind": "cuda", "handles": CudaWeightWriter.handles()}`` (plain data only crosses)."""
-        self.llm.collective_rpc("areal_bus_attach", args=(dict(source), self.expected, self.tied))
+        self.llm.collective_rpc("areal_bus_attach", args=(dict(source), self.expected, self.tied,
+                                                          "weight set" if self.lora is None else "adapter"))
 
     # -- RolloutEngine interface ------------------------------------------------------------
 
@@ -512,7 +398,7 @@ class VllmRolloutEngine:
             spec["structured_outputs"] = self._structured_outputs(req, spec["structured_outputs"])
         params = self._vllm.SamplingParams(**spec, output_kind=self._delta)
         self.llm.add_request(req.request_id, self._prompt(prompt_token_ids=prompt, cache_salt=cache_salt(self.weights_loaded)),
-                             params)
+                             params, lora_request=self._lora_request)
         self._running[req.request_id] = Generation(req, time.time())
         self._uncounted.add(req.request_id)
         self.prefill.requests += 1
@@ -551,13 +437,16 @@ class VllmRolloutEngine:
         return absorb_outputs(self._running, outputs, self.version, self.worker)
 
     def swap_weights(self, version: int, location: str) -> float:
-        """Load ``location`` into vLLM's parameters between two steps; running sequences carry on."""
+        """Load ``location`` into vLLM's parameters (with LoRA: its adapter into vLLM's LoRA layers)
+        between two steps; running sequences carry on."""
         t0 = time.perf_counter()
         if location.startswith("cuda:") and self.cuda_handles_file is not None:
             self._handles_stamp, handles = changed_handles(self.cuda_handles_file, self._handles_stamp)
             if handles is not None:
                 self.attach_weights({"kind": "cuda", "handles": handles})
         self.llm.collective_rpc("areal_bus_load", args=(location,))
+        if self.lora is not None:
+            check_held(self.llm)
         self.version = version
         self.weights_loaded += 1  # requests added from now on reuse no keys/values of the old weights
         return time.perf_counter() - t0
@@ -565,7 +454,8 @@ class VllmRolloutEngine:
 
 def engine_from_topology(topo, worker: str, replica: int, base=None) -> VllmRolloutEngine:
     """The rollout node's vLLM engine: the topology's model and limits, fed with what the trainer
-    publishes: shared-memory buffers, or CUDA buffers whose handles it leaves next to the ipc sockets."""
+    publishes: shared-memory buffers, or CUDA buffers whose handles it leaves next to the ipc sockets
+    (with trainer_engine.lora, the adapter alone)."""
     from areal_bus.weights.cuda import handles_path  # lazy: torch (see changed_handles)
 
     cfg, model = topo.rollout_engine, topo.model
@@ -577,4 +467,5 @@ def engine_from_topology(topo, worker: str, replica: int, base=None) -> VllmRoll
                              seed=model.seed * 1000 + replica, worker=worker,
                              gpu_memory_utilization=cfg.gpu_memory_utilization, prefix_caching=cfg.prefix_caching,
                              weights={"kind": "shm", "name": topo.shm_name(base)},
-                             cuda_handles_file=handles_path(topo.ipc_dir(base), topo.shm_name(base)))
+                             cuda_handles_file=handles_path(topo.ipc_dir(base), topo.shm_name(base)),
+                             lora=getattr(topo.trainer_engine, "lora", None))
