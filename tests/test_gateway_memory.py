@@ -29,12 +29,14 @@ MAX_BODY = 512 * 1024
 TIMEOUT_S = 1.0
 BURST = 384
 SETTLE_S = 20.0
-SETTLE_BOUND_BYTES = 8 << 20
+SETTLE_BOUND_BYTES = 24 << 20
 """How far above the baseline the settled RSS may be. The burst moves ~100 MB through the process
 (64 near-limit bodies read whole, 64 refused larger ones); what is freed goes back to malloc's arenas,
-which glibc returns to the system only in part (it keeps a heap's top and per-thread arenas). A
-leak of the issue's size (57 MB for 256 requests) is several times this; malloc's retention measured
-here (2026-12-01, this 2-core machine): +2 MB."""
+which glibc returns to the system only in part (it keeps a heap's top and per-thread arenas, and how
+much depends on which of the 32 client connections' server threads ran where). A leak of the issue's
+size (57 MB for 256 requests: ~85 MB for this burst) is 3.5 times this; malloc's retention measured on
+this 2-core machine: +2 MB (2026-12-01), then -1, +2, +8 and +9 MB in four runs of 2026-12-06 (the last in
+a whole-suite run, failing the 8 MB bound this had until then)."""
 
 
 def _request(port: int, data: bytes, wait_s: float = 5.0) -> bytes:
