@@ -209,7 +209,18 @@ def test_share_base_true_without_lora_is_refused_naming_the_field(ckpt, tmp_path
     data["trainer_engine"].pop("lora")
     with pytest.raises(ValueError, match="model.share_base is true, but it needs trainer_engine.lora"):
         shared_base.shares(parse_topology(data), 0)
-    assert not shared_base.enabled(_topo(ckpt, tmp_path))  # off unless asked for
+    assert not shared_base.enabled(_topo(ckpt, tmp_path))  # left out on CPU: off
+
+
+def test_left_out_it_is_on_where_a_gpu_run_can_share_and_off_where_it_cannot(ckpt, tmp_path):
+    from areal_bus.config.topology import parse_topology
+
+    data = _topo(ckpt, tmp_path, device="cuda").model_dump(by_alias=True)
+    data["model"].pop("share_base", None)
+    assert shared_base.enabled(parse_topology(data)) and shared_base.shares(parse_topology(data), 0)
+    full = {**data, "trainer_engine": {k: v for k, v in data["trainer_engine"].items() if k != "lora"}}
+    assert not shared_base.enabled(parse_topology(full))  # full fine-tuning: no frozen base, and no error
+    assert not shared_base.enabled(parse_topology({**data, "model": {**data["model"], "share_base": False}}))
 
 
 def test_on_a_gpu_a_worker_shares_the_base_only_on_the_trainers_gpu(ckpt, tmp_path):

@@ -179,9 +179,11 @@ class ModelSpec(Strict):
     seed: int = Field(0, description="Seed for sampling and initialisation.")
     threads: int = Field(1, ge=1, le=256, description="torch CPU threads per node process (one each avoids "
                          "oversubscription where several nodes share the cores).")
-    share_base: bool = Field(False, description="With trainer_engine.lora, rollout engines on the trainer's "
-                             "device serve the trainer's frozen base (CUDA IPC on a GPU, shared memory on CPU) "
-                             "instead of a copy of their own. Opt-in: its GPU path has not yet run on a GPU.")
+    share_base: bool | None = Field(None, description="With trainer_engine.lora, rollout engines on the "
+                                    "trainer's device serve the trainer's frozen base (CUDA IPC on a GPU, shared "
+                                    "memory on CPU) instead of a copy of their own. None: on wherever it can be "
+                                    "on a GPU (LoRA, the torch engines, one trainer process, trainer and rollout "
+                                    "on one GPU), off on CPU; true: on, refused with the reason where it cannot.")
     gpu_memory_fraction: float = Field(0.92, gt=0.05, le=1.0, description="Share of each GPU's memory the memory "
                                        "plan (`areal-bus plan`) may fill with the trainer and the rollout engines "
                                        "placed on it; checked at node start, refused with the numbers if over.")

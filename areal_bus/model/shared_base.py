@@ -18,10 +18,12 @@ gradient sees the difference), the rollout model's too, and the engine's fused d
 rows of one buffer) where it would otherwise concatenate a second copy. One copy of the base on the card:
 what the trainer holds is what every engine reads.
 
-When: ``model.share_base: true``, which needs all of: trainer_engine.lora, the torch engines on both sides,
-one trainer process (train_workers 1) and the trainer on model.device (``refusal`` names what is missing).
-Opt-in for now, on a GPU too (its CUDA IPC path is written and CPU-tested through the same code, but has not
-yet run on a GPU: ``enabled``); on CPU it saves RAM, and CI tests the mechanism through it. A rollout replica on a host without shared memory with the trainer loads its own copy.
+When: ``model.share_base: true``, or left out on a GPU where it can (``enabled``), which needs all of:
+trainer_engine.lora, the torch engines on both sides, one trainer process (train_workers 1) and the trainer on
+model.device (``refusal`` names what is missing). Its CUDA IPC path ran on one H100 in the 8B system of
+2026-12-06 (one copy of the base: the card's peak 39 GiB with trainer and rollout on it, bench/RESULTS.md); on
+CPU it is opt-in (it saves RAM), and CI tests the mechanism through it. A rollout replica on a host without
+shared memory with the trainer, or on another GPU, loads its own copy.
 
 Order: a rollout worker that shares waits (``WAIT_S``) for the trainer to publish the base, which it does
 right after loading it; the buffer names the base (``identity``: model.path's files and model.dtype), so a
@@ -171,10 +173,13 @@ def refusal(topo) -> str | None:
 
 
 def enabled(topo) -> bool:
-    """Whether the run shares the base: model.share_base true (opt-in for now, on a GPU too: its CUDA IPC path
-    has not yet run on a GPU; once measured there, the default is meant to turn it on wherever ``refusal``
-    finds nothing against it)."""
-    return bool(getattr(topo.model, "share_base", False))
+    """Whether the run shares the base: model.share_base as set, or, left out (None), on a GPU wherever
+    ``refusal`` finds nothing against it (measured there: the 8B system on one H100, bench/RESULTS.md), and off
+    on CPU, where a second copy costs host memory only."""
+    asked = getattr(topo.model, "share_base", None)
+    if asked is not None:
+        return bool(asked)
+    return topo.model.device.startswith("cuda") and refusal(topo) is None
 
 
 def shares(topo, replica: int) -> bool:

@@ -11,8 +11,9 @@
 #           checkpointing at 16k micro-batches with +compile
 #   swap    bench/lora_swap.py: publish -> first token of the new version in the torch engine,  ~3 min
 #           the LoRA adapter (r 16, 64) beside the full weights, 0.5B and 1.5B shapes
-#   decode  bench/engine.py --shape 8b --no-hf --batches 64 256 --rows engine --profile: the      ~2.5 min
-#           torch engine's decode tokens/s at Llama-3.1-8B's shape against its bandwidth bound
+#   decode  bench/engine.py --shape 8b --no-hf --batches 64 256: the torch engine's decode        ~1.5 min
+#           tokens/s at Llama-3.1-8B's shape against its bandwidth bound, bench/engine.py's sdpa row
+#           (measured 2026-12-06) and the rollout's default step (flash_varlen fused), with profiles
 #   learn   bench/learning.py on SmolLM2-135M-Instruct (topology/smollm2-math-gpu.yaml): full     ~6.5 min
 #           fine-tuning async then sync, then LoRA r16 (lr x10) async then sync, one run at a time
 #           (held-out accuracy against wall time); the GGUF is imported first (~20 s)
@@ -98,7 +99,8 @@ engine:autocast+lora16+compile+ckpt+micro16384 ;;
         step swap 260 python3 bench/lora_swap.py ${SWAP_ARGS:-} ;;
     decode)
         # shellcheck disable=SC2086
-        step decode 220 python3 bench/engine.py --shape 8b --no-hf --batches 64 256 --rows engine --profile ${DECODE_ARGS:-} ;;
+        step decode 220 python3 bench/engine.py --shape 8b --no-hf --batches 64 256 --variants \
+            --rows engine "engine flash_varlen+compile" --profile ${DECODE_ARGS:-} ;;
     learn)
         need_bus || { failed="$failed learn"; continue; }
         python3 -c "import gguf, datasets" || { failed="$failed learn"; continue; }
