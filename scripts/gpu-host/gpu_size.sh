@@ -5,10 +5,10 @@
 #   step    what it runs                                                                         expected
 #   tests   the GPU tests of the shared base, the paged KV cache, sharded publish, CUDA weights,   ~2 min
 #           the CUDA-graph decode and LoRA decode (pytest -m gpu); run first: e2e8b builds on them
-#   trainer bench/trainer.py: Qwen2.5-3B full fine-tuning (the same-call baseline), then the       ~5 min
-#           Llama-3.1-8B shape with LoRA r16 as measured first (checkpointing, 8k micro-batches)
-#           and the tries for issue 51's 10k tokens/s: no checkpointing at 4k and 8k micro-batches,
-#           checkpointing at 16k micro-batches with +compile
+#   trainer bench/trainer.py: Qwen2.5-3B full fine-tuning (the same-call baseline), then the       ~6 min
+#           Llama-3.1-8B shape with LoRA r16 as measured first (checkpointing, 8k micro-batches),
+#           compiled with 16k micro-batches (8.7k tokens/s on 2026-12-06), compiled without
+#           checkpointing (both levers: issue 51's 10k tokens/s?), and r64 compiled (T8B_PATHS: others)
 #   swap    bench/lora_swap.py: publish -> first token of the new version in the torch engine,  ~3 min
 #           the LoRA adapter (r 16, 64) beside the full weights, 0.5B and 1.5B shapes
 #   decode  bench/engine.py --shape 8b --no-hf --batches 64 256: the torch engine's decode        ~1.5 min
@@ -91,9 +91,10 @@ for s in "$@"; do
         T=(python3 bench/trainer.py --steps 2 --warmup 1)
         step trainer_3b 150 "${T[@]}" --shapes 3b --paths engine:compute_copy --checkpointing --micro-tokens 8192 \
             --weights-dtype bfloat16
-        step trainer_8b 420 "${T[@]}" --shapes 8b --paths engine:autocast+lora16+ckpt+micro8192,\
-engine:autocast+lora16+nockpt+micro4096,engine:autocast+lora16+nockpt+micro8192,\
-engine:autocast+lora16+compile+ckpt+micro16384 ;;
+        # shellcheck disable=SC2086
+        step trainer_8b 420 "${T[@]}" --shapes 8b --paths ${T8B_PATHS:-engine:autocast+lora16+ckpt+micro8192,\
+engine:autocast+lora16+compile+ckpt+micro16384,engine:autocast+lora16+compile+nockpt+micro8192,\
+engine:autocast+lora64+compile+ckpt+micro16384} ;;
     swap)
         # shellcheck disable=SC2086
         step swap 260 python3 bench/lora_swap.py ${SWAP_ARGS:-} ;;
@@ -122,8 +123,11 @@ engine:autocast+lora16+compile+ckpt+micro16384 ;;
     e2e8b)
         need_bus || { failed="$failed e2e8b"; continue; }
         # shellcheck disable=SC2086
+        # The trainer compiled with 16k-token micro-batches (1.33x alone, 24.5 GiB): the run of 2026-12-06 without
+        # it (checkpointing, 8k) was trainer-bound at 2.02x; E2E8B_ARGS="--set trainer_engine.compile false
+        # --set trainer_engine.micro_batch_tokens 8192" repeats that one.
         step e2e8b 540 python3 bench/gpu_e2e.py --shape 8b --lora 16 "${LONGTAIL[@]}" --set model.share_base true \
-            ${E2E8B_ARGS:-} ;;
+            --set trainer_engine.compile true --set trainer_engine.micro_batch_tokens 16384 ${E2E8B_ARGS:-} ;;
     e2e3b)
         need_bus || { failed="$failed e2e3b"; continue; }
         # shellcheck disable=SC2086
