@@ -84,7 +84,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from areal_bus.config.topology import TopologyError, parse_topology  # noqa: E402
-from bench.harness import run_logged  # noqa: E402
+from bench.harness import override, run_logged  # noqa: E402
 from bench.shapes import body, random_model, shapes  # noqa: E402
 
 SHAPES = {"tiny": {}, **{name: body(cfg) for name, cfg in shapes().items() if name != "tiny"}}
@@ -233,14 +233,8 @@ def topology(model: Path, run: Run, args) -> dict:
         topo["rollout_engine"]["output_len"] = {"dist": "lognormal", "median": args.median, "sigma": args.sigma,
                                                 "min": args.min_len, "max": args.max_len}
     topo["async"] = {"enabled": run.mode == "async"}
-    if getattr(args, "lora", 0):  # (a caller's namespace may predate --lora and --set)
-        topo["trainer_engine"]["lora"] = {"rank": args.lora, "alpha": 2 * args.lora}
-    for key, value in getattr(args, "set", None) or []:  # --set trainer_engine.gradient_checkpointing true ...: last word
-        *parents, leaf = key.split(".")
-        node = topo
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
+    # (a caller's namespace may predate --lora and --set)
+    override(topo, getattr(args, "lora", 0), getattr(args, "set", None))
     return topo
 
 

@@ -1,6 +1,7 @@
 """Shared by the benchmarks: run a whole areal_bus system from a topology dict under a real supervisord,
 in a fresh short temp folder, until it ends by itself; return the trainer's step records (``run_system``),
-or those with the rollout workers' running-batch series (``run_logged``)."""
+or those with the rollout workers' running-batch series (``run_logged``); and the command line's topology
+overrides (``override``: --lora RANK, --set KEY VALUE)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,20 @@ class RunLogs:
     records: list[dict]
     wall: float
     batch: dict[str, list[dict]] = field(default_factory=dict)
+
+
+def override(topo: dict, lora: int = 0, sets=None) -> None:
+    """A bench's --lora RANK (trainer_engine.lora, alpha 2 x RANK, every projection) and then its --set KEY
+    VALUE pairs (dotted key, YAML value; the last word on any field, trainer_engine.lora.* included) into
+    the topology dict ``topo``."""
+    if lora:
+        topo.setdefault("trainer_engine", {})["lora"] = {"rank": lora, "alpha": 2 * lora}
+    for key, value in sets or []:
+        *parents, leaf = key.split(".")
+        node = topo
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
 
 
 def run_system(topo: dict, name: str, keep: Path | None = None, timeout: float = 3600) -> tuple[list[dict], float]:

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from areal_bus.config.topology import parse_topology  # noqa: E402
 from bench.gpu_e2e import TIMELINE_KEY, summarise  # noqa: E402
-from bench.harness import run_logged  # noqa: E402
+from bench.harness import override, run_logged  # noqa: E402
 
 
 def run_mode(mode: str, base: dict, model: Path, keep: Path | None, tag: str = "",
@@ -225,14 +225,7 @@ def main() -> int:
     base = yaml.safe_load(args.topology.read_text())
     if args.steps:
         base["max_steps"] = args.steps
-    if args.lora:
-        base.setdefault("trainer_engine", {})["lora"] = {"rank": args.lora, "alpha": 2 * args.lora}
-    for key, value in (args.set or []):  # e.g. --set learning_rate 5e-6 --set trainer_engine.eval_interval 5
-        *parents, leaf = key.split(".")
-        node = base
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
+    override(base, args.lora, args.set)  # e.g. --lora 16 --set learning_rate 5e-6
     dataset = base.get("agent", {}).get("dataset") or {}
     for key in ("path", "eval_path"):  # the systems run from a temporary folder: the repo's data by full path
         if dataset.get(key) and not Path(dataset[key]).is_absolute():

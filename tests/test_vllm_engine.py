@@ -332,13 +332,19 @@ def test_without_vllm_the_rollout_node_names_the_extra_to_install(monkeypatch):
 # -- with vLLM on a GPU (run on an H200 with vLLM 0.25.1; skipped where either is missing) -----------
 
 
-@pytest.fixture(scope="module")
-def vllm_engine():
+def tiny_engine(**more) -> ve.VllmRolloutEngine:
+    """A vLLM engine on the tiny checkpoint (4 slots, 128 tokens, bf16, no stop token: every request runs to
+    max_tokens); the test skips where vLLM or a GPU is missing. ``more``: other engine arguments."""
     pytest.importorskip("vllm", reason=NO_VLLM)
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    engine = ve.VllmRolloutEngine(TINY, max_batch=4, max_len=128, dtype="bfloat16", worker="w0", eos_token_ids=[],
-                                  gpu_memory_utilization=0.3)  # no stop token: every request runs to max_tokens
+    return ve.VllmRolloutEngine(TINY, max_batch=4, max_len=128, dtype="bfloat16", worker="w0", eos_token_ids=[],
+                                gpu_memory_utilization=0.3, **more)
+
+
+@pytest.fixture(scope="module")
+def vllm_engine():
+    engine = tiny_engine()
     yield engine
     del engine.llm
 

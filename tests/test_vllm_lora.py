@@ -25,7 +25,7 @@ from areal_bus.engines import vllm_worker as vw
 from areal_bus.model import adapters
 from areal_bus.model.modeling import TINY_LLAMA, TINY_QWEN3, load_pretrained, make_random_model, save_pretrained
 from areal_bus.weights.shm import ShmWeightWriter
-from tests.test_vllm_engine import NO_VLLM, TINY, _recompute, _req, _run, shm_name  # noqa: F401 (shm_name: a fixture)
+from tests.test_vllm_engine import TINY, _recompute, _req, _run, shm_name, tiny_engine  # noqa: F401 (shm_name: a fixture)
 
 TARGETS = list(LORA_TARGETS)
 RANK = 4
@@ -195,12 +195,7 @@ def test_vllm_lora_in_float32_is_refused_naming_the_field():
 
 @pytest.fixture(scope="module")
 def lora_engine():
-    pytest.importorskip("vllm", reason=NO_VLLM)
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    # no stop token: every request runs to max_tokens
-    engine = ve.VllmRolloutEngine(TINY, max_batch=4, max_len=128, dtype="bfloat16", worker="w0", eos_token_ids=[],
-                                  gpu_memory_utilization=0.3, lora=LORA)
+    engine = tiny_engine(lora=LORA)
     yield engine
     del engine.llm
 
