@@ -5,7 +5,8 @@
 #   step    what it runs                                                                         expected
 #   tests   the GPU tests of the shared base, the paged KV cache, sharded publish, CUDA weights,   ~2 min
 #           the CUDA-graph decode and LoRA decode (pytest -m gpu); run first: e2e8b builds on them
-#   trainer bench/trainer.py: Qwen2.5-3B full fine-tuning (the same-call baseline), then the       ~6 min
+#   trainer bench/trainer.py: Qwen2.5-3B full fine-tuning (the same-call baseline) and LoRA r16,   ~7 min
+#           (trainer3b: those two alone, ~3.5 min; trainer8b: the 8B paths alone), then the
 #           Llama-3.1-8B shape with LoRA r16 as measured first (checkpointing, 8k micro-batches),
 #           compiled with 16k micro-batches (8.7k tokens/s on 2026-12-06), compiled without
 #           checkpointing (both levers: issue 51's 10k tokens/s?), and r64 compiled (T8B_PATHS: others)
@@ -35,7 +36,7 @@
 # The 8B run's memory plan (`areal-bus plan`, checked at node start), computed here for an 80 GB card: trainer
 # ~25 GiB (bf16 base 14 GB, LoRA state, activations at 8k-token micro-batches with checkpointing), rollout ~17 GiB
 # (base mapped from the trainer, model.share_base true, set by the step; dense KV 128 x 960 tokens, 16 GB): it fits.
-# Knobs (environment): TESTS (the tests step's pytest paths or ids, instead of its six files), E2E8B_ARGS / E2E3B_ARGS (more bench/gpu_e2e.py arguments, after the defaults: e.g. the
+# Knobs (environment): T3B_PATHS / T8B_PATHS (bench/trainer.py paths of the trainer steps), TESTS (the tests step's pytest paths or ids, instead of its six files), E2E8B_ARGS / E2E3B_ARGS (more bench/gpu_e2e.py arguments, after the defaults: e.g. the
 # paged KV cache, "--rollout-batch 256 --set rollout_engine.kv_tokens 131072", or "--set model.share_base false" for a copy of its own),
 # LEARN_ARGS (more bench/learning.py arguments for both pairs), LORA_LR (the LoRA pair's learning rate, 1e-4),
 # SWAP_ARGS, DECODE_ARGS. Logs go to $OUT (default gpu_logs): one per step, and gpu_mem.log (nvidia-smi every 20 s).
@@ -75,7 +76,7 @@ step() {  # step NAME SECONDS COMMAND...: one step, its log, its time
     [ "$rc" = 0 ] || failed="$failed $name"
 }
 failed=
-[ $# -gt 0 ] || { echo "steps: tests trainer swap decode learn e2e8b e2e3b (see the header)"; exit 2; }
+[ $# -gt 0 ] || { echo "steps: tests trainer trainer3b trainer8b swap decode learn e2e8b e2e3b (see the header)"; exit 2; }
 # The long tail scaled to fit a 10-minute call at 8B (bench/gpu_e2e.py's defaults are median 500, 200..3,000).
 LONGTAIL=(--workload longtail --batch 64 --group-size 8 --agents 2 --steps 7 --skip 2 --median 200 --sigma 0.8
           --min-len 64 --max-len 800 --rollout-batch 128 --runs sync async:2:true --timeout 300
@@ -87,10 +88,12 @@ for s in "$@"; do
         step tests 240 python3 -m pytest -q --noconftest -p no:cacheprovider -m gpu --tb=short ${TESTS:-tests/test_shared_base.py \
             tests/test_kv_pages.py tests/test_sharded_publish.py tests/test_weights_cuda.py tests/test_cuda_decode.py \
             tests/test_lora_decode.py} ;;
-    trainer)
+    trainer|trainer3b|trainer8b)
         T=(python3 bench/trainer.py --steps 2 --warmup 1)
-        step trainer_3b 150 "${T[@]}" --shapes 3b --paths engine:compute_copy --checkpointing --micro-tokens 8192 \
-            --weights-dtype bfloat16
+        # shellcheck disable=SC2086
+        [ "$s" = trainer8b ] || step trainer_3b 260 "${T[@]}" --shapes 3b --paths ${T3B_PATHS:-engine:compute_copy,\
+engine:autocast+lora16} --checkpointing --micro-tokens 8192 --weights-dtype bfloat16
+        [ "$s" = trainer3b ] && continue
         # shellcheck disable=SC2086
         step trainer_8b 420 "${T[@]}" --shapes 8b --paths ${T8B_PATHS:-engine:autocast+lora16+ckpt+micro8192,\
 engine:autocast+lora16+compile+ckpt+micro16384,engine:autocast+lora16+compile+nockpt+micro8192,\
@@ -135,7 +138,7 @@ engine:autocast+lora64+compile+ckpt+micro16384} ;;
         # shellcheck disable=SC2086
         step e2e3b_lora 270 python3 bench/gpu_e2e.py --shape 3b --lora 16 "${LONGTAIL[@]}" ${E2E3B_ARGS:-} ;;
     *)
-        echo "unknown step $s (tests trainer swap decode learn e2e8b e2e3b)"; failed="$failed $s" ;;
+        echo "unknown step $s (tests trainer trainer3b trainer8b swap decode learn e2e8b e2e3b)"; failed="$failed $s" ;;
     esac
 done
 grep -h "^RESULT" "$OUT"/*.log 2>/dev/null
