@@ -326,6 +326,8 @@ def install_adapter(manager, items: list[tuple[str, object]], spec: Mapping) -> 
     if stray:
         raise ValueError(f"adapter: vLLM has no LoRA layer for {stray[:5]}{' ...' if len(stray) > 5 else ''}, so it "
                          f"would serve the base there (its LoRA layers: {sorted(manager.modules)[:5]} ...)")
+    # A failure from here on leaves no adapter under LORA_ID; it is no WeightsUnavailable, so it ends the
+    # rollout node, and supervisord's restart serves the current version again from a new engine.
     manager.remove_adapter(LORA_ID)
     manager.add_adapter(adapter)  # packs q/k/v and gate/up; folds alpha / rank into lora_B, once
     manager.activate_adapter(LORA_ID)  # set_lora: copies into the slot's buffers in place
